@@ -1,0 +1,90 @@
+"""Checks and settles the composed config before anything heavy is imported or any process is started.
+
+Everything a user can get wrong in the config fails here, in one line, before training: torch is imported only
+for the one decision that needs it (whether this machine has CUDA).
+"""
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from starter.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MULTI_PROCESS_LAUNCHERS = ("subprocess", "spawn")
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes in the run: devices x num_nodes for multi-process strategies, else 1."""
+    if cfg.strategy.get("launcher") not in MULTI_PROCESS_LAUNCHERS:
+        return 1
+    return device_count(cfg.devices) * int(cfg.num_nodes)
+
+
+def device_count(devices) -> int:
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    try:
+        return len(devices)  # a list of device indices
+    except TypeError:
+        raise UserError(f"devices={devices!r}: give a number of devices per node, e.g. devices=2") from None
+
+
+def per_process_batch_size(global_batch_size: int, world: int) -> int:
+    if global_batch_size % world:
+        raise UserError(
+            f"data.batch_size={global_batch_size} is the global batch and does not divide by the {world} processes;"
+            f" use a multiple of {world}, e.g. data.batch_size={max(world, global_batch_size // world * world)}"
+        )
+    return global_batch_size // world
+
+
+def prepare(cfg: DictConfig) -> None:
+    """Validate `cfg` and settle, in place, what must be fixed before launch (precision on CPU, `ckpt_path=last`)."""
+    devices = device_count(cfg.devices)
+    if devices < 1 or int(cfg.num_nodes) < 1:
+        raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
+    name = cfg.strategy.name
+    if devices > 1 and cfg.strategy.get("launcher") not in MULTI_PROCESS_LAUNCHERS and name == "auto":
+        raise UserError(
+            f"strategy=auto runs one process on one device, but devices={devices}; "
+            f"use strategy=ddp (or ddp_spawn) for {devices} processes"
+        )
+    per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
+    _redirect_fp16_on_cpu(cfg)
+    if cfg.ckpt_path is not None:
+        cfg.ckpt_path = str(resolve_ckpt_path(cfg))
+
+
+def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
+    # Lightning would make the same switch with a multi-line warning; say it once, up front, and record it.
+    if str(cfg.trainer.precision) not in ("16-mixed", "16") or cfg.accelerator not in ("cpu", "auto"):
+        return
+    if cfg.accelerator == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    log.warning("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)")
+    cfg.trainer.precision = "bf16-mixed"
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> Path:
+    """`last` means the newest checkpoints/last.ckpt among this task's earlier runs; any other value must exist."""
+    if cfg.ckpt_path == "last":
+        task_dir = Path(cfg.paths.log_dir) / cfg.task_name
+        this_run = Path(cfg.paths.output_dir).resolve()
+        found = [p for p in task_dir.glob("**/checkpoints/last.ckpt") if this_run not in p.resolve().parents]
+        if not found:
+            raise UserError(f"ckpt_path=last: no checkpoints/last.ckpt under {task_dir}; train first or give a path")
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        log.info("ckpt_path=last -> %s", newest)
+        return newest
+    path = Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise UserError(f"ckpt_path={cfg.ckpt_path}: no such file")
+    return path

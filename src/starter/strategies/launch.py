@@ -1,0 +1,87 @@
+"""Starts one worker process per device for strategies that re-run the program per rank (ddp, fsdp).
+
+Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-composes the config, makes a
+second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
+launches: each worker runs `python -m starter.worker <run_dir>/config.yaml` with the torch.distributed
+environment set (the torchrun contract), so all ranks train the same resolved job into the same directory.
+If one worker fails, the others are stopped and the job fails with its exit code.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from starter.config import device_count, world_size
+
+
+class WorkerFailed(Exception):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def needs_launch(cfg: DictConfig) -> bool:
+    """True unless the processes already exist (torchrun, SLURM: LOCAL_RANK is set) or there is only one."""
+    return cfg.strategy.get("launcher") == "subprocess" and world_size(cfg) > 1 and "LOCAL_RANK" not in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) -> None:
+    devices = device_count(cfg.devices)
+    node_rank = int(os.environ.get("NODE_RANK", 0))
+    env = dict(
+        os.environ,
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
+        NODE_RANK=str(node_rank),
+        WORLD_SIZE=str(world_size(cfg)),
+    )
+    command = [sys.executable, "-m", "starter.worker", str(config_path)]
+    procs = [
+        subprocess.Popen(command, env=dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)))
+        for i in range(devices)
+    ]
+    # A scheduler's SIGTERM (preemption) goes to every worker, which saves and exits; we then wait for them.
+    previous = signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+    try:
+        _wait(procs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(procs, grace_s)
+
+
+def _wait(procs: list[subprocess.Popen]) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            message = f"worker of local rank {rank} exited with code {code}; the other workers were stopped"
+            raise WorkerFailed(message, exit_code=code if code > 0 else 1)
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,39 @@
+"""One process of a multi-process run: `python -m starter.worker RUN_DIR/config.yaml`, started by strategies.launch.
+
+Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given.
+"""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from starter.errors import UserError, one_line
+
+
+def main(config_path: str) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    cfg = OmegaConf.load(config_path)
+    handlers = [logging.StreamHandler()]
+    if rank == 0:  # rank 0 continues the run's log file; other ranks only warn, so no console line is repeated
+        handlers.append(logging.FileHandler(Path(cfg.paths.output_dir) / "train.log"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+        handlers=handlers,
+    )
+    from starter.run import run
+
+    try:
+        run(cfg)
+    except UserError as err:
+        if rank == 0:
+            print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

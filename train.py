@@ -1,0 +1,18 @@
+"""Train and test a classifier from config: `python train.py [group=option ...] [key=value ...]`.
+
+Only Hydra is imported here, so `--help` and config errors stay fast; torch and Lightning load once a run starts.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from starter.main import main as run_job
+
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    main()
