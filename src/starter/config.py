@@ -14,6 +14,7 @@ from starter.errors import UserError
 log = logging.getLogger(__name__)
 
 MULTI_PROCESS_LAUNCHERS = ("subprocess", "spawn")
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -54,6 +55,8 @@ def prepare(cfg: DictConfig) -> None:
             f"strategy=auto runs one process on one device, but devices={devices}; "
             f"use strategy=ddp (or ddp_spawn) for {devices} processes"
         )
+    if str(cfg.precision) not in PRECISIONS:
+        raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
@@ -62,7 +65,7 @@ def prepare(cfg: DictConfig) -> None:
 
 def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
     # Lightning would make the same switch with a multi-line warning; say it once, up front, and record it.
-    if str(cfg.trainer.precision) not in ("16-mixed", "16") or cfg.accelerator not in ("cpu", "auto"):
+    if cfg.precision != "16-mixed" or cfg.accelerator not in ("cpu", "auto"):
         return
     if cfg.accelerator == "auto":
         import torch
@@ -70,7 +73,7 @@ def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
         if torch.cuda.is_available():
             return
     log.warning("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)")
-    cfg.trainer.precision = "bf16-mixed"
+    cfg.precision = "bf16-mixed"
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path:

@@ -39,8 +39,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics |= _floats(trainer.callback_metrics)
     if cfg.test:
         if cfg.train:
-            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            ckpt_path = best or None  # no checkpoint callback (callbacks=none, fast_dev_run): the final weights
+            best = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
+            ckpt_path = best[0] if best else None  # no best checkpoint (callbacks=none, fast_dev_run): final weights
         else:
             ckpt_path = cfg.ckpt_path
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)

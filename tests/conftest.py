@@ -1,0 +1,106 @@
+"""Shared test helpers: compose the real config, run the real train.py, and make small data sets."""
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def compose_config(overrides: list[str], run_dir: Path):
+    """The config train.py would run with these overrides, resolvable outside a Hydra run."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+        cfg.paths.log_dir = str(run_dir.parent)
+        del cfg.hydra
+    return cfg
+
+
+def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):
+    """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process."""
+    flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
+    overrides = [o for o in overrides if not o.startswith("-")]
+    command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]
+    proc = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_dirs(tmp_path: Path, task: str = "train") -> list[Path]:
+    return sorted((tmp_path / "logs" / task / "runs").glob("*"))
+
+
+def read_metrics(run_dir: Path) -> dict[str, float]:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> None:
+    """An MNIST IDX file: magic (0, 0, dtype 0x08 = ubyte, ndim), big-endian dims, then the bytes."""
+    data = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data += array.astype(np.uint8).tobytes()
+    if gz:
+        path, data = path.with_suffix(path.suffix + ".gz"), gzip.compress(data)
+    path.write_bytes(data)
+
+
+@pytest.fixture
+def mnist_dir(tmp_path: Path) -> Path:
+    """A tiny MNIST in torchvision's layout: 200 training and 50 test images whose label is legible."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 200), ("t10k", 50)):
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 40, (n, 28, 28))
+        for i, label in enumerate(labels):  # a bright bar whose row encodes the label
+            images[i, 2 + 2 * label : 4 + 2 * label, 4:24] = 255
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    """An ImageFolder tree of 3 classes, 6 train and 2 val JPEGs each, whose colour gives the class."""
+    from PIL import Image
+
+    root = tmp_path / "images"
+    colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "fox": (30, 30, 200)}
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 6), ("val", 2)):
+        for name, colour in colours.items():
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(np.array(colour) + rng.integers(-20, 20, (40, 48, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.JPEG", quality=90)
+    return root
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default single-process run (digits + MLP, 20 epochs), shared by the tests that inspect it."""
+    tmp_path = tmp_path_factory.mktemp("default")
+    proc = train(tmp_path)
+    (run_dir,) = run_dirs(tmp_path)
+    return tmp_path, run_dir, proc

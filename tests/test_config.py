@@ -1,0 +1,124 @@
+"""Every option of every config group composes, resolves and builds; the contract's keys exist."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT, compose_config
+from starter.config import PRECISIONS, prepare
+from starter.errors import UserError
+from starter.strategies.build import build_strategy
+
+GROUPS = ["data", "model", "strategy", "trainer", "callbacks", "logger", "paths", "hydra",
+          "experiment", "debug"]  # fmt: skip
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_contract_groups_and_top_level_keys_exist(tmp_path):
+    assert all((CONF / group).is_dir() and options(group) for group in GROUPS)
+    cfg = compose_config([], tmp_path)
+    for key in ("devices", "num_nodes", "accelerator", "precision", "seed", "ckpt_path", "train", "test"):
+        assert key in cfg
+    assert cfg.data._target_.endswith("DigitsDataModule") and cfg.strategy.name == "auto"
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in GROUPS for o in options(g) if g not in ("paths", "hydra")],
+)
+def test_every_option_composes_and_resolves(group, option, tmp_path):
+    cfg = compose_config([f"{group}={option}"], tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["trainer"]["precision"] in ("32", 32, "16-mixed", "bf16-mixed", "bf16-true")
+
+
+@pytest.mark.parametrize("value", PRECISIONS)
+def test_precision_key_sets_trainer_precision(value, tmp_path):
+    assert str(compose_config([f"precision={value}"], tmp_path).trainer.precision) == value
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_every_model_builds_and_maps_images_to_logits(option, tmp_path):
+    import torch
+
+    cfg = compose_config([f"model={option}"], tmp_path)
+    model = instantiate(cfg.model)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)  # the default data: digits
+
+
+@pytest.mark.parametrize("option", options("strategy"))
+def test_every_strategy_builds(option, tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy)
+    if option == "auto":
+        assert strategy == "auto"
+    else:
+        assert isinstance(strategy, DDPStrategy)
+        assert strategy._start_method == ("spawn" if option == "ddp_spawn" else "popen")
+
+
+def test_experiment_overrides_groups_and_keys(tmp_path):
+    cfg = compose_config(["experiment=mnist_cnn"], tmp_path)
+    assert cfg.data._target_.endswith("MNISTDataModule") and cfg.model.net._target_.endswith("CNN")
+    assert cfg.trainer.max_epochs == 5 and cfg.model.net.in_channels == 1
+
+
+def test_unknown_group_option_lists_valid_ones(tmp_path):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["strategy=fdsp"], tmp_path)
+    assert "ddp_spawn" in str(err.value.__cause__ or err.value) or "ddp_spawn" in str(err.value)
+
+
+def test_help_lists_config_groups():
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for line in ("strategy: auto, ddp, ddp_spawn", "model: cnn, mlp, resnet18, resnet50", "precision: 32 |"):
+        assert line in out.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["strategy=ddp", "devices=2", "data.batch_size=63"], "does not divide by the 2 processes"),
+        (["strategy=ddp", "devices=2", "num_nodes=2", "data.batch_size=66"], "does not divide by the 4 processes"),
+        (["devices=2"], "use strategy=ddp"),
+        (["devices=0"], "must be at least 1"),
+        (["precision=fp8"], "choose one of 32, 16-mixed, bf16-mixed, bf16-true"),
+        (["ckpt_path=/nonexistent/x.ckpt"], "no such file"),
+        (["ckpt_path=last"], "no checkpoints/last.ckpt"),
+    ],
+)
+def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        prepare(compose_config(overrides, tmp_path / "run"))
+
+
+def test_fp16_on_cpu_is_redirected_to_bf16_in_one_line(tmp_path, caplog):
+    cfg = compose_config(["precision=16-mixed", "accelerator=cpu"], tmp_path)
+    prepare(cfg)
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert [r.getMessage() for r in caplog.records] == [
+        "precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)"
+    ]
+
+
+def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
+    import os
+
+    older, newer = (tmp_path / "logs" / "train" / "runs" / name / "checkpoints" for name in ("a", "b"))
+    for i, folder in enumerate((older, newer)):
+        folder.mkdir(parents=True)
+        (folder / "last.ckpt").write_bytes(b"x")
+        os.utime(folder / "last.ckpt", (1000 + i, 1000 + i))
+    cfg = compose_config(["ckpt_path=last"], tmp_path / "logs" / "train" / "runs" / "now")
+    cfg.paths.log_dir = str(tmp_path / "logs")
+    prepare(cfg)
+    assert cfg.ckpt_path == str(newer / "last.ckpt")

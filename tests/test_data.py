@@ -1,0 +1,148 @@
+"""Each DataModule against small data written here; sharding and batch-size semantics."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from starter.data.digits import DigitsDataModule
+from starter.data.imagenet import ImageFolderDataModule
+from starter.data.mnist import MNISTDataModule
+from starter.data.synthetic import SyntheticDataModule
+from starter.errors import UserError
+
+DIGITS = dict(image_shape=[1, 8, 8], num_classes=10)
+
+
+def as_rank(datamodule, world: int, rank: int):
+    datamodule.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+    return datamodule
+
+
+def batches(loader, epoch: int = 0):
+    sampler = loader.batch_sampler.sampler
+    sampler.set_epoch(epoch)  # what Lightning's fit loop does each epoch
+    return list(loader)
+
+
+def test_digits_split_is_deterministic_disjoint_and_normalised():
+    first, second = DigitsDataModule(seed=3, **DIGITS), DigitsDataModule(seed=3, **DIGITS)
+    first.setup(), second.setup()
+    sizes = [len(s) for s in (first.train_set, first.val_set, first.test_set)]
+    assert sizes == [1257, 269, 271] and sum(sizes) == 1797
+    assert torch.equal(first.test_set.images, second.test_set.images)
+    assert abs(float(first.train_set.images.mean())) < 1e-5 and abs(float(first.train_set.images.std()) - 1) < 1e-4
+    other = DigitsDataModule(seed=4, **DIGITS)
+    other.setup()
+    assert not torch.equal(first.test_set.labels, other.test_set.labels)
+
+
+def test_two_ranks_together_load_exactly_the_single_process_global_batches():
+    single, ranks = DigitsDataModule(batch_size=64, **DIGITS), [DigitsDataModule(batch_size=64, **DIGITS) for _ in range(2)]
+    for dm in (single, *ranks):
+        dm.setup()
+    for epoch in (0, 1):
+        full = batches(as_rank(single, 1, 0).train_dataloader(), epoch)
+        shards = [batches(as_rank(dm, 2, r).train_dataloader(), epoch) for r, dm in enumerate(ranks)]
+        assert len(full) == len(shards[0]) == len(shards[1]) == 1257 // 64
+        for step, (x, y) in enumerate(full):
+            assert x.shape == (64, 1, 8, 8) and shards[0][step][0].shape == (32, 1, 8, 8)
+            together = torch.cat([shards[0][step][0], shards[1][step][0]])
+            assert sorted(map(tuple, together.flatten(1).tolist())) == sorted(map(tuple, x.flatten(1).tolist()))
+    first_epoch, second_epoch = (batches(single.train_dataloader(), e)[0][1] for e in (0, 1))
+    assert not torch.equal(first_epoch, second_epoch)  # reshuffled each epoch
+
+
+def test_evaluation_shards_cover_an_odd_split_exactly_once():
+    dm = DigitsDataModule(batch_size=64, **DIGITS)
+    dm.setup()
+    assert len(dm.test_set) % 2 == 1
+    seen = [y for r in range(2) for _, y in as_rank(dm, 2, r).test_dataloader()]
+    assert sum(len(y) for y in seen) == len(dm.test_set)
+    assert torch.equal(torch.cat(seen).sort().values, dm.test_set.labels.sort().values)
+
+
+def test_global_batch_that_does_not_divide_is_refused():
+    dm = as_rank(DigitsDataModule(batch_size=63, **DIGITS), 2, 0)
+    dm.setup()
+    with pytest.raises(UserError, match="data.batch_size=63 is the global batch and does not divide by the 2"):
+        dm.train_dataloader()
+
+
+def test_shape_mismatch_with_config_is_a_clear_error():
+    with pytest.raises(UserError, match=r"digits has images of shape \[1, 8, 8\].*data.image_shape=\[1, 28, 28\]"):
+        DigitsDataModule(image_shape=[1, 28, 28], num_classes=10).setup()
+
+
+def mnist(data_dir, **kw):
+    return MNISTDataModule(data_dir=str(data_dir), image_shape=[1, 28, 28], num_classes=10, **kw)
+
+
+def test_mnist_is_read_from_idx_files_into_normalised_tensors(mnist_dir):
+    dm = mnist(mnist_dir, download=False, val_size=40, batch_size=20)
+    dm.prepare_data()
+    dm.setup()
+    assert [len(s) for s in (dm.train_set, dm.val_set, dm.test_set)] == [160, 40, 50]
+    images = dm.train_set.images
+    assert images.dtype == torch.float32 and images.shape == (160, 1, 28, 28)
+    assert abs(float(images.max()) - (1 - 0.1307) / 0.3081) < 1e-5  # (255/255 - mean) / std
+    x, y = next(iter(as_rank(dm, 1, 0).train_dataloader()))
+    assert x.shape == (20, 1, 28, 28) and y.dtype == torch.long
+
+
+def test_missing_mnist_names_the_directory_and_the_files(tmp_path):
+    with pytest.raises(UserError) as err:
+        mnist(tmp_path / "nowhere", download=False).prepare_data()
+    message = str(err.value)
+    assert str(tmp_path / "nowhere" / "MNIST" / "raw") in message and "train-images-idx3-ubyte" in message
+
+
+def folder(root, **kw):
+    args = dict(batch_size=6, num_workers=0, image_shape=[3, 32, 32], num_classes=3) | kw
+    return ImageFolderDataModule(root=str(root), **args)
+
+
+def test_image_folder_applies_imagenet_transforms(image_folder):
+    dm = folder(image_folder)
+    dm.setup()
+    assert dm.train_set.classes == ["cat", "dog", "fox"] and len(dm.train_set) == 18 and len(dm.val_set) == 6
+    x, y = next(iter(as_rank(dm, 1, 0).val_dataloader()))
+    assert x.shape == (6, 3, 32, 32) and x.dtype == torch.float32
+    # val is deterministic (resize + centre crop): the red class has a high normalised red channel
+    assert float(x[y == 0][:, 0].mean()) > 1.0 and float(x[y == 0][:, 2].mean()) < -1.0
+    x_train, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
+    assert x_train.shape == (6, 3, 32, 32)
+
+
+def test_image_folder_missing_root_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="expects .*/train/<class>/"):
+        folder(tmp_path / "missing").setup()
+
+
+def test_image_folder_class_mismatch_names_the_classes(image_folder):
+    (image_folder / "train" / "fox").rename(image_folder / "train" / "wolf")
+    with pytest.raises(UserError, match=r"only in train \['wolf'\], only in val \['fox'\]"):
+        folder(image_folder).setup()
+
+
+def test_image_folder_class_count_must_match_config(image_folder):
+    with pytest.raises(UserError, match="has 3 class folders but data.num_classes=1000; set data.num_classes=3"):
+        folder(image_folder, num_classes=1000).setup()
+
+
+def test_corrupt_image_error_names_the_file(image_folder):
+    bad = image_folder / "val" / "dog" / "0.JPEG"
+    bad.write_bytes(b"not a jpeg")
+    dm = folder(image_folder)
+    dm.setup()
+    with pytest.raises(UserError, match=f"cannot read image {bad}"):
+        list(as_rank(dm, 1, 0).val_dataloader())
+
+
+def test_synthetic_data_is_imagenet_shaped_and_repeatable():
+    dm = SyntheticDataModule(batch_size=4, train_size=8, eval_size=4, image_shape=[3, 224, 224], num_classes=1000)
+    dm.setup()
+    (x1, y1), (x2, y2) = dm.train_set[5], dm.train_set[5]
+    assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
+    x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
+    assert x.shape == (4, 3, 224, 224)

@@ -1,0 +1,37 @@
+"""ddp and ddp_spawn on 2 CPU processes (gloo): same results as one process, one run directory, one voice."""
+
+import pytest
+
+from conftest import read_metrics, run_dirs, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_two_processes_match_one_process_in_one_run_directory(strategy, default_run, tmp_path):
+    proc = train(tmp_path, f"strategy={strategy}", "devices=2", "accelerator=cpu")
+    (run_dir,) = run_dirs(tmp_path)  # one directory, however many processes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+
+    single = read_metrics(default_run[1])
+    multi = read_metrics(run_dir)
+    # Same seed, data order and global batch: the weights differ only by float summation order, which can
+    # flip at most a borderline sample; 1 of the 271 test images (269 val) is the tolerance.
+    assert abs(multi["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9
+    assert abs(multi["val/acc"] - single["val/acc"]) <= 1 / 269 + 1e-9
+    assert multi["test/acc"] >= 0.95
+
+    checkpoints = sorted(p.name for p in run_dir.rglob("*.ckpt"))
+    assert checkpoints == ["best.ckpt", "last.ckpt"] and len(list(run_dir.rglob("metrics.csv"))) == 1
+    out = proc.stdout + proc.stderr
+    for line in ("metric      value", "`Trainer.fit` stopped: `max_epochs=20` reached.", "GPU available: False"):
+        assert out.count(line) == 1, line  # rank 0 speaks, rank 1 does not
+
+
+def test_worker_error_stops_all_workers_with_one_message(tmp_path):
+    # Rank 0 fails in prepare_data while rank 1 waits for it at a barrier: the launcher must stop rank 1.
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "accelerator=cpu", "data=mnist", "data.download=false",
+                 f"paths.data_dir={tmp_path / 'none'}", expect_ok=False, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: MNIST not found in {tmp_path / 'none'}")

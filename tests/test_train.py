@@ -1,0 +1,152 @@
+"""`python train.py` end to end, as a user runs it: outputs, accuracy, evaluation, data sets, sweeps, errors."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_dirs, train
+
+LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
+
+
+def test_default_run_reaches_95_percent_test_accuracy(default_run):
+    _, run_dir, _ = default_run
+    metrics = read_metrics(run_dir)
+    assert set(metrics) == {"train/loss", "val/loss", "val/acc", "test/loss", "test/acc"}
+    assert metrics["test/acc"] >= 0.95 and metrics["val/acc"] >= 0.95
+
+
+def test_default_run_leaves_every_output_in_one_directory(default_run):
+    _, run_dir, proc = default_run
+    for name in ("config.yaml", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "metrics.csv", "metrics.json",
+                 "learning_curves.png", "train.log"):  # fmt: skip
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "learning_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "${" not in (run_dir / "config.yaml").read_text()  # resolved
+    header = "metric      value"
+    assert proc.stdout.count(header) == 1 and f"test/acc    {read_metrics(run_dir)['test/acc']:.4f}" in proc.stdout
+
+
+def test_checkpoints_load_with_torch_weights_only_and_plain_keys(default_run):
+    _, run_dir, _ = default_run
+    checkpoint = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)  # torch's default since 2.6
+    keys = list(checkpoint["state_dict"])
+    assert keys and all(k.startswith("net.") for k in keys)
+    from starter.models.nets.mlp import MLP
+
+    net = MLP([1, 8, 8], 10)
+    net.load_state_dict({k.removeprefix("net."): v for k, v in keys_values(checkpoint)})
+
+
+def keys_values(checkpoint):
+    return ((k, v) for k, v in checkpoint["state_dict"].items() if k.startswith("net."))
+
+
+def test_evaluating_the_best_checkpoint_reproduces_the_test_metrics(default_run, tmp_path):
+    _, run_dir, _ = default_run
+    train(tmp_path, "train=false", f"ckpt_path={run_dir / 'checkpoints' / 'best.ckpt'}")
+    (eval_dir,) = run_dirs(tmp_path)
+    evaluated, trained = read_metrics(eval_dir), read_metrics(run_dir)
+    assert evaluated == {"test/loss": trained["test/loss"], "test/acc": trained["test/acc"]}
+
+
+def test_ckpt_path_last_resumes_the_newest_run(default_run):
+    tmp_path, run_dir, _ = default_run
+    proc = train(tmp_path, "ckpt_path=last", "trainer.max_epochs=21")
+    assert f"ckpt_path=last -> {run_dir / 'checkpoints' / 'last.ckpt'}" in proc.stdout + proc.stderr
+    resumed = [d for d in run_dirs(tmp_path) if d != run_dir][0]
+    with open(resumed / "metrics.csv", newline="") as f:
+        trained_epochs = {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]}
+    assert trained_epochs == {"20"}  # the first run's 20 epochs (0-19) were restored, only epoch 20 is new
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_run(precision, tmp_path):
+    train(tmp_path, f"precision={precision}", *LIMIT)
+    (run_dir,) = run_dirs(tmp_path)
+    assert f"precision: {precision}" in (run_dir / "config.yaml").read_text()
+    assert read_metrics(run_dir)["test/acc"] > 0
+
+
+def test_fp16_on_cpu_runs_as_bf16_and_says_so_once(tmp_path):
+    proc = train(tmp_path, "precision=16-mixed", "accelerator=cpu", *LIMIT)
+    out = proc.stdout + proc.stderr
+    assert out.count("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed") == 1
+    assert "AMP with fp16 is not supported" not in out  # Lightning's own multi-line warning is pre-empted
+    (run_dir,) = run_dirs(tmp_path)
+    assert "precision: bf16-mixed" in (run_dir / "config.yaml").read_text()
+
+
+def test_mnist_cnn_trains_from_local_files(mnist_dir, tmp_path):
+    train(tmp_path, "data=mnist", "model=cnn", f"paths.data_dir={mnist_dir}", "data.download=false",
+          "data.val_size=40", "data.batch_size=20", "trainer.max_epochs=3")  # fmt: skip
+    (run_dir,) = run_dirs(tmp_path)
+    assert read_metrics(run_dir)["test/acc"] >= 0.6  # the label is a bright bar: learnable in 3 short epochs
+
+
+def test_missing_mnist_is_one_clear_error(tmp_path):
+    proc = train(tmp_path, "data=mnist", f"paths.data_dir={tmp_path / 'empty'}", "data.download=false",
+                 expect_ok=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: MNIST not found in {tmp_path / 'empty'}")
+    assert "Traceback" not in proc.stderr
+
+
+def test_image_folder_trains_resnet18(image_folder, tmp_path):
+    train(tmp_path, "data=imagenet", f"data.root={image_folder}", "model=resnet18", "data.image_shape=[3,32,32]",
+          "data.num_classes=3", "data.num_workers=0", "data.batch_size=6", "trainer.max_epochs=1")  # fmt: skip
+    (run_dir,) = run_dirs(tmp_path)
+    assert 0 <= read_metrics(run_dir)["test/acc"] <= 1 and (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_image_folder_without_val_is_one_clear_error(image_folder, tmp_path):
+    import shutil
+
+    shutil.rmtree(image_folder / "val")
+    proc = train(tmp_path, "data=imagenet", f"data.root={image_folder}", "data.num_classes=3", expect_ok=False)
+    assert proc.returncode == 2 and f"error: no directory {image_folder / 'val'}" in proc.stderr
+
+
+def test_synthetic_data_trains_resnet18(tmp_path):
+    train(tmp_path, "data=synthetic", "model=resnet18", "data.image_shape=[3,32,32]", "data.num_classes=10",
+          "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1")  # fmt: skip
+    assert "test/acc" in read_metrics(run_dirs(tmp_path)[0])
+
+
+def test_multirun_gives_each_job_its_own_directory(tmp_path):
+    proc = train(tmp_path, "-m", "model=mlp,cnn", "seed=1,2", *LIMIT)
+    sweeps = list((tmp_path / "logs" / "train" / "multiruns").glob("*"))
+    assert len(sweeps) == 1
+    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir() and p.name.isdigit())
+    assert [j.name for j in jobs] == ["0", "1", "2", "3"]
+    seen = set()
+    for job in jobs:
+        cfg = (job / "config.yaml").read_text()
+        seen.add((cfg.split("seed: ")[1].split()[0], "CNN" if "nets.cnn.CNN" in cfg else "MLP"))
+        assert (job / "metrics.json").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
+    assert seen == {("1", "MLP"), ("2", "MLP"), ("1", "CNN"), ("2", "CNN")}
+    assert not (tmp_path / "logs" / "train" / "runs").exists() and proc.returncode == 0
+
+
+def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "data.batch_size=63", expect_ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: data.batch_size=63 is the global batch and does not divide by the 2 processes;"
+        " use a multiple of 2, e.g. data.batch_size=62"
+    ]
+    assert not list(tmp_path.glob("logs/train/runs/*/checkpoints"))
+
+
+def test_unknown_group_option_names_the_valid_ones(tmp_path):
+    proc = train(tmp_path, "strategy=fdsp", expect_ok=False)
+    assert proc.returncode != 0
+    assert "Could not find 'strategy/fdsp'" in proc.stderr and "ddp_spawn" in proc.stderr
+
+
+def test_metrics_json_is_flat_json(default_run):
+    _, run_dir, _ = default_run
+    data = json.loads((run_dir / "metrics.json").read_text())
+    assert all(isinstance(v, float) for v in data.values())
