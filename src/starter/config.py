@@ -49,29 +49,59 @@ def prepare(cfg: DictConfig) -> None:
     devices = device_count(cfg.devices)
     if devices < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
-    name = cfg.strategy.name
-    if devices > 1 and cfg.strategy.get("launcher") not in MULTI_PROCESS_LAUNCHERS and name == "auto":
-        raise UserError(
-            f"strategy=auto runs one process on one device, but devices={devices}; "
-            f"use strategy=ddp (or ddp_spawn) for {devices} processes"
-        )
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
+    _check_accelerator(cfg, devices)
+    _check_strategy(cfg, devices)
     per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         cfg.ckpt_path = str(resolve_ckpt_path(cfg))
 
 
+def cuda_device_count() -> int:
+    import torch  # only here: the one check that needs it
+
+    return torch.cuda.device_count()
+
+
+def runs_on_cpu(cfg: DictConfig) -> bool:
+    return cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and cuda_device_count() == 0)
+
+
+def _check_accelerator(cfg: DictConfig, devices: int) -> None:
+    if cfg.accelerator not in ("gpu", "cuda"):
+        return
+    available = cuda_device_count()
+    if available == 0:
+        raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
+    if devices > available:
+        raise UserError(f"devices={devices}: this machine has {available} CUDA GPU(s); use devices={available}")
+
+
+def _check_strategy(cfg: DictConfig, devices: int) -> None:
+    name = cfg.strategy.name
+    if name == "auto" and devices > 1:
+        raise UserError(
+            f"strategy=auto runs one process on one device, but devices={devices}; "
+            f"use strategy=ddp (or ddp_spawn) for {devices} processes"
+        )
+    if name == "dp":
+        if int(cfg.num_nodes) > 1:
+            raise UserError("strategy=dp is one process on one machine; use strategy=ddp for several nodes")
+        if devices > 1 and runs_on_cpu(cfg):
+            raise UserError(
+                f"strategy=dp splits each batch over CUDA GPUs and this run is on CPU; "
+                f"use strategy=ddp devices={devices} for {devices} CPU processes"
+            )
+        if devices == 1:
+            log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")
+
+
 def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
     # Lightning would make the same switch with a multi-line warning; say it once, up front, and record it.
-    if cfg.precision != "16-mixed" or cfg.accelerator not in ("cpu", "auto"):
+    if cfg.precision != "16-mixed" or not runs_on_cpu(cfg):
         return
-    if cfg.accelerator == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return
     log.warning("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)")
     cfg.precision = "bf16-mixed"
 
@@ -88,6 +118,6 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path:
         log.info("ckpt_path=last -> %s", newest)
         return newest
     path = Path(cfg.ckpt_path)
-    if not path.is_file():
+    if not path.exists():  # a file, or a directory for sharded (fsdp) checkpoints
         raise UserError(f"ckpt_path={cfg.ckpt_path}: no such file")
     return path

@@ -10,6 +10,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from starter.export import save_full_weights
 from starter.report import write_run_outputs
 from starter.strategies.build import build_strategy
 
@@ -37,6 +38,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.train:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics |= _floats(trainer.callback_metrics)
+        save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt")
     if cfg.test:
         if cfg.train:
             best = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
@@ -55,6 +57,8 @@ KNOWN_NOISE = (
     "Experiment logs directory",
     # Lightning 2.6 calls a pytree API that torch 2.14 deprecates.
     "`isinstance(treespec",  # (a prefix: PYTHONWARNINGS entries cannot hold commas)
+    # torch.distributed.checkpoint rewriting a sharded last.ckpt/best.ckpt, which is the intent.
+    "Detected an existing checkpoint",
 )
 
 

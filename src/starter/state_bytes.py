@@ -1,0 +1,44 @@
+"""A callback that records, per rank, the bytes this process holds of parameters, gradients and optimizer state.
+
+Under fsdp these are the local shards (about 1/N of ddp's); the figures go to <run_dir>/state_bytes/rank<r>.json,
+measured once, after the second optimizer step (when gradients and optimizer state both exist).
+Enable with `callbacks=state_bytes`.
+"""
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+            total += local.numel() * local.element_size()
+    return total
+
+
+def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
+    params = list(module.parameters())
+    optimizer_tensors = [v for opt in optimizers for state in opt.state.values() for v in state.values()]
+    return {
+        "parameters": local_bytes(params),
+        "gradients": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(optimizer_tensors),
+    }
+
+
+class StateBytes(L.Callback):
+    def __init__(self, output_dir: str):
+        self.output_dir = Path(output_dir)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != 2:
+            return
+        figures = state_bytes(pl_module, [opt.optimizer if hasattr(opt, "optimizer") else opt for opt in trainer.optimizers])
+        directory = self.output_dir / "state_bytes"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures) + "\n")

@@ -1,0 +1,104 @@
+"""DataParallel (dp), which Lightning 2 removed: one process, each forward split over the visible GPUs.
+
+Only the LightningModule's `forward` is replicated: DataParallel scatters the batch over the GPUs, runs each
+slice on a replica and gathers the outputs on the first GPU. The step around it (loss, `self.log`,
+torchmetrics) runs once, in the main thread, on the whole gathered batch: the loss and its gradient are
+those of one device with the same batch, metrics need no special handling, and the module is never wrapped
+outside a step, so checkpoints have no `module.` prefix. Replicas run in threads, and torch enters autocast
+there with its default dtype (fp16 on CUDA): the caller's autocast dtype is passed to them explicitly.
+"""
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
+
+
+class _ClassForward(nn.Module):
+    """Calls the class's own `forward` of the wrapped module (bypassing the step-time override below)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)  # copied into each replica per call
+
+    def forward(self, *args, **kwargs):
+        enabled, dtype = self.autocast
+        with torch.autocast("cuda", dtype=dtype) if enabled else nullcontext():
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class DataParallelStrategy(ParallelStrategy):
+    strategy_name = "dp"
+
+    def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None, precision_plugin=None):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._data_parallel: nn.DataParallel | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": 1, "rank": 0}  # one process loads the whole global batch
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def setup(self, trainer) -> None:
+        self.model_to_device()
+        super().setup(trainer)
+        device_ids = [d.index for d in self.parallel_devices if d.type == "cuda"]
+        self._data_parallel = nn.DataParallel(_ClassForward(self.lightning_module), device_ids=device_ids or None)
+
+    def training_step(self, *args, **kwargs):
+        with self._split_forward():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        with self._split_forward():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        with self._split_forward():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        with self._split_forward():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _split_forward(self):
+        module = self.lightning_module
+        module.forward = self._forward_on_all_devices  # an instance attribute shadows the class's forward
+        try:
+            yield
+        finally:
+            del module.forward
+
+    def _forward_on_all_devices(self, *args, **kwargs):
+        self._data_parallel.module.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        return self._data_parallel(*args, **kwargs)
+
+    def reduce(self, tensor, *args, **kwargs):
+        return tensor  # one process: nothing to reduce across
+
+    def barrier(self, *args, **kwargs) -> None:
+        pass
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return tensor
+
+    def teardown(self) -> None:
+        self._data_parallel = None
+        super().teardown()
