@@ -1,0 +1,1 @@
+"""One LightningDataModule per file; all share base.ShardedDataModule (global batch, identical sharding)."""

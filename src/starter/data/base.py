@@ -1,0 +1,76 @@
+"""What every DataModule here shares: the global batch size, and sharding that is the same for any world size.
+
+`batch_size` is the global batch: each of N processes loads batch_size / N. Training draws one seeded
+permutation per epoch (DistributedSampler, also for one process) and rank r takes every N-th index, so the
+union of the ranks' batches at step k is exactly the single-process batch k: changing `devices` does not
+change the optimisation. Evaluation splits the data without padding (UnrepeatedDistributedSampler), so no
+sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
+sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
+"""
+
+import lightning as L
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+
+from starter.config import per_process_batch_size
+from starter.data.in_memory import TensorPairs, keep_batch
+from starter.errors import UserError
+
+
+class ShardedDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        batch_size: int,
+        image_shape: list[int],
+        num_classes: int,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ):
+        super().__init__()
+        self.batch_size = int(batch_size)
+        self.image_shape = tuple(image_shape)
+        self.num_classes = int(num_classes)
+        self.seed = int(seed)
+        self.num_workers = int(num_workers)
+        self.pin_memory = bool(pin_memory)
+        self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, "train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, "val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, "test")
+
+    def _loader(self, dataset: Dataset, split: str) -> DataLoader:
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        if len(dataset) < world:
+            raise UserError(f"the {split} split has {len(dataset)} samples, fewer than the {world} processes")
+        train = split == "train"
+        if train:
+            sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
+        else:
+            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        batches = BatchSampler(sampler, per_process_batch_size(self.batch_size, world), drop_last=train)
+        return DataLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=keep_batch if isinstance(dataset, TensorPairs) else None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+        )
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
+        if tuple(shape) != self.image_shape or num_classes != self.num_classes:
+            raise UserError(
+                f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says"
+                f" data.image_shape={list(self.image_shape)} data.num_classes={self.num_classes}"
+            )

@@ -1,0 +1,30 @@
+"""scikit-learn's bundled 8x8 handwritten digits: 1,797 real images, offline. The default data set."""
+
+import torch
+
+from starter.data.base import ShardedDataModule
+from starter.data.in_memory import TensorPairs
+
+
+class DigitsDataModule(ShardedDataModule):
+    def __init__(self, batch_size: int = 64, split=(0.7, 0.15, 0.15), seed: int = 42, **kwargs):
+        super().__init__(batch_size=batch_size, seed=seed, **kwargs)
+        if len(split) != 3 or abs(sum(split) - 1) > 1e-6:
+            raise ValueError(f"split={list(split)}: give three fractions (train, val, test) that sum to 1")
+        self.split = tuple(split)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8), values 0..16
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        self._check_shape("digits", images.shape[1:], int(labels.max()) + 1)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
+        n_train, n_val = int(self.split[0] * len(order)), int(self.split[1] * len(order))
+        parts = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
+        mean, std = images[parts[0]].mean(), images[parts[0]].std()  # training-split statistics only
+        images = (images - mean) / std
+        self.train_set, self.val_set, self.test_set = (TensorPairs(images[p], labels[p]) for p in parts)

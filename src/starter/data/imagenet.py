@@ -1,0 +1,78 @@
+"""An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
+
+Train: RandomResizedCrop, horizontal flip, normalise. Val (also the test split): resize to 256/224 of the
+crop, centre crop, normalise. An unreadable image stops the run with an error that names the file.
+"""
+
+from functools import partial
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from starter.data.base import ShardedDataModule
+from starter.errors import UserError
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def load_image(path: str, mode: str = "RGB") -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            return image.convert(mode)
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for truncated / non-image files
+        raise UserError(f"cannot read image {path}: {err}") from err
+
+
+def imagenet_transforms(crop: int, channels: int, train: bool):
+    from torchvision.transforms import v2
+
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
+    if train:
+        geometry = [v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()]
+    else:
+        geometry = [v2.Resize(round(crop * 256 / 224), antialias=True), v2.CenterCrop(crop)]
+    return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+
+class ImageFolderDataModule(ShardedDataModule):
+    def __init__(self, root: str, batch_size: int = 256, num_workers: int = 8, seed: int = 42, **kwargs):
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
+        self.root = Path(root)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val = self._folder("train", train=True), self._folder("val", train=False)
+        if train.classes != val.classes:
+            only_train = sorted(set(train.classes) - set(val.classes))
+            only_val = sorted(set(val.classes) - set(train.classes))
+            raise UserError(
+                f"class folders of {self.root}/train and {self.root}/val differ: only in train {only_train},"
+                f" only in val {only_val}; every class needs a folder in both"
+            )
+        if len(train.classes) != self.num_classes:
+            raise UserError(
+                f"{self.root}/train has {len(train.classes)} class folders but data.num_classes={self.num_classes};"
+                f" set data.num_classes={len(train.classes)}"
+            )
+        self.train_set, self.val_set, self.test_set = train, val, val
+
+    def _folder(self, split: str, train: bool):
+        from torchvision.datasets import ImageFolder
+
+        directory = self.root / split
+        if not directory.is_dir():
+            raise UserError(
+                f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
+                f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree"
+            )
+        channels, crop = self.image_shape[0], self.image_shape[-1]
+        try:
+            return ImageFolder(
+                str(directory),
+                transform=imagenet_transforms(crop, channels, train),
+                loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
+            )
+        except FileNotFoundError as err:  # a class folder without images, or no class folders at all
+            raise UserError(f"{directory}: {err}") from err
