@@ -57,11 +57,14 @@ def test_every_model_builds_and_maps_images_to_logits(option, tmp_path):
 def test_every_strategy_builds(option, tmp_path):
     from lightning.pytorch.strategies import DDPStrategy
 
+    from starter.strategies.dp import DataParallelStrategy
+    from starter.strategies.fsdp import FSDP2Strategy
+
     strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy)
-    if option == "auto":
-        assert strategy == "auto"
-    else:
-        assert isinstance(strategy, DDPStrategy)
+    expected = {"auto": str, "dp": DataParallelStrategy, "ddp": DDPStrategy, "ddp_spawn": DDPStrategy,
+                "fsdp": FSDP2Strategy}  # fmt: skip
+    assert isinstance(strategy, expected[option])
+    if option.startswith("ddp"):
         assert strategy._start_method == ("spawn" if option == "ddp_spawn" else "popen")
 
 
@@ -122,3 +125,17 @@ def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
     cfg.paths.log_dir = str(tmp_path / "logs")
     prepare(cfg)
     assert cfg.ckpt_path == str(newer / "last.ckpt")
+
+
+def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
+    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 0)
+    with pytest.raises(UserError, match="accelerator=gpu: this machine has no CUDA GPU; use accelerator=cpu"):
+        prepare(compose_config(["accelerator=gpu"], tmp_path))
+    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 2)
+    with pytest.raises(UserError, match="devices=4: this machine has 2 CUDA GPU"):
+        prepare(compose_config(["accelerator=gpu", "strategy=ddp", "devices=4"], tmp_path))
+    with pytest.raises(UserError, match="strategy=fsdp cannot scale fp16 losses .*use precision=bf16-mixed"):
+        prepare(compose_config(["accelerator=gpu", "strategy=fsdp", "devices=2", "precision=16-mixed"], tmp_path))
+    cfg = compose_config(["accelerator=gpu", "strategy=dp", "devices=2", "precision=16-mixed"], tmp_path)
+    prepare(cfg)  # dp on 2 GPUs with real fp16: allowed, nothing redirected
+    assert cfg.precision == "16-mixed"

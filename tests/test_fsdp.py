@@ -1,0 +1,73 @@
+"""fsdp (FSDP2 on 2 CPU processes): same training as ddp, half the state per rank, sharded checkpoints, full export."""
+
+import csv
+import json
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import read_metrics, run_dirs, train
+from starter.strategies.fsdp import sharding_units
+
+pytestmark = pytest.mark.slow
+SHORT = ["accelerator=cpu", "devices=2", "callbacks=state_bytes", "debug=limit", "trainer.max_epochs=4"]  # 20 steps
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """ddp and fsdp, 20 optimizer steps each from the same seed, with per-rank state sizes recorded."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        tmp_path = tmp_path_factory.mktemp(strategy)
+        train(tmp_path, f"strategy={strategy}", *SHORT)
+        (runs[strategy],) = run_dirs(tmp_path)
+    return runs
+
+
+def test_sharding_units_are_the_outermost_matching_modules():
+    from starter.models.nets.resnet import ResNet
+
+    net = ResNet(18, 10)
+    units = sharding_units(net, ["BasicBlock", "Linear", "Conv2d"])
+    assert sum(type(u).__name__ == "BasicBlock" for u in units) == 8  # 4 stages x 2 blocks
+    assert {type(u).__name__ for u in units} == {"BasicBlock", "Conv2d", "Linear"}  # + the stem conv and fc
+    assert len(units) == 10  # the convs inside blocks are not split again
+
+
+def test_fsdp_holds_at_most_055_of_ddp_state_per_rank(short_runs):
+    for rank in (0, 1):
+        ddp, fsdp = (json.loads((short_runs[s] / "state_bytes" / f"rank{rank}.json").read_text()) for s in ("ddp", "fsdp"))
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert fsdp[kind] <= 0.55 * ddp[kind], (rank, kind, fsdp[kind], ddp[kind])
+            assert fsdp[kind] > 0
+
+
+def test_fsdp_weights_match_ddp_after_20_steps(short_runs):
+    ddp, fsdp = (torch.load(short_runs[s] / "checkpoints" / "model.pt", weights_only=True) for s in ("ddp", "fsdp"))
+    assert ddp.keys() == fsdp.keys()
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) <= 1e-5  # same maths, other summation order
+
+
+def test_fsdp_checkpoints_are_sharded_and_the_export_loads_into_a_plain_model(short_runs):
+    run_dir = short_runs["fsdp"]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    model = instantiate(OmegaConf.load(run_dir / "config.yaml").model)
+    model.load_state_dict(torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True))  # strict, no prefix
+
+
+def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
+    last = short_runs["fsdp"] / "checkpoints" / "last.ckpt"
+    train(tmp_path, "strategy=fsdp", f"ckpt_path={last}", *SHORT[:2], "debug=limit", "trainer.max_epochs=5",
+          "trainer.log_every_n_steps=1")
+    (resumed,) = run_dirs(tmp_path)
+    with open(resumed / "metrics.csv", newline="") as f:
+        assert {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]} == {"4"}  # epochs 0-3 restored
+
+
+def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):
+    train(tmp_path, "strategy=fsdp", "devices=2", "accelerator=cpu")
+    fsdp, single = read_metrics(run_dirs(tmp_path)[0]), read_metrics(default_run[1])
+    assert abs(fsdp["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9 and fsdp["test/acc"] >= 0.95

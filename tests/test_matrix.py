@@ -1,0 +1,54 @@
+"""Every strategy x precision pair on CPU, checked against the support matrix in README.md (the table is the spec)."""
+
+import re
+
+import pytest
+
+from conftest import ROOT, run_dirs, train
+
+pytestmark = pytest.mark.slow
+PRECISIONS = ["32", "16-mixed", "bf16-mixed", "bf16-true"]
+
+
+def readme_cpu_matrix() -> dict[tuple[str, str, str], str]:
+    """{(strategy, devices, precision): outcome} from the README's "CPU (gloo)" table."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("**CPU (gloo)")[1].split("\n\n")[1]
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("|")][2:]
+    matrix = {}
+    for strategy, devices, *cells in rows:
+        assert len(cells) == len(PRECISIONS)
+        for precision, cell in zip(PRECISIONS, cells):
+            matrix[strategy.strip(" `"), devices.strip(), precision] = cell.strip()
+    return matrix
+
+
+MATRIX = readme_cpu_matrix()
+
+
+def test_the_readme_matrix_covers_every_strategy_and_precision():
+    strategies = {p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml")}
+    assert {s for s, _, _ in MATRIX} == strategies
+    assert {p for _, _, p in MATRIX} == set(PRECISIONS)
+    assert set(MATRIX.values()) <= {"runs", "runs as bf16-mixed"} | {v for v in MATRIX.values() if v.startswith("refused")}
+
+
+@pytest.mark.parametrize("strategy,devices,precision", sorted(MATRIX))
+def test_pair_behaves_as_the_readme_says(strategy, devices, precision, tmp_path):
+    expected = MATRIX[strategy, devices, precision]
+    proc = train(tmp_path, f"strategy={strategy}", f"devices={devices}", f"precision={precision}", "accelerator=cpu",
+                 "debug=limit", "trainer.max_epochs=1", expect_ok=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    if expected.startswith("refused"):
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+        reason = re.search(r"use `?([^`]+)`?", expected).group(1)  # the README names the alternative
+        assert reason in errors[0]
+        assert not list(tmp_path.glob("logs/**/*.ckpt"))
+        return
+    assert proc.returncode == 0, out[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    ran_as = "bf16-mixed" if expected == "runs as bf16-mixed" else precision
+    assert f"precision: {ran_as}" in (run_dir / "config.yaml").read_text()
+    assert (run_dir / "metrics.json").is_file() and (run_dir / "checkpoints" / "model.pt").is_file()
+    assert ("running bf16-mixed" in out) == (ran_as != precision)
