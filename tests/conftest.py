@@ -35,6 +35,7 @@ def compose_config(overrides: list[str], run_dir: Path):
 
 def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):
     """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
     overrides = [o for o in overrides if not o.startswith("-")]
     command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]

@@ -1,4 +1,6 @@
-"""The one exception type for input a user can fix: reported as one line, exit code 2."""
+"""The one exception type for input a user can fix (reported as one line, exit code 2), and exit codes."""
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request after saving checkpoints/last.ckpt
 
 
 class UserError(Exception):

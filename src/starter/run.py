@@ -7,9 +7,12 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.export import save_full_weights
 from starter.report import write_run_outputs
 from starter.strategies.build import build_strategy
@@ -26,17 +29,23 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
     _silence_known_noise()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
-    trainer = instantiate(
+    datamodule = build(cfg.data)
+    model = build(cfg.model)
+    trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
-        callbacks=[instantiate(c) for c in cfg.callbacks.values()],
-        logger=[instantiate(lg) for lg in cfg.logger.values()] or False,
+        callbacks=[build(c) for c in cfg.callbacks.values()],
+        logger=[build(lg) for lg in cfg.logger.values()] or False,
     )
+    if cfg.ckpt_path:
+        check_checkpoint_fits(model, Path(cfg.ckpt_path))
     metrics: dict[str, float] = {}
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except SIGTERMException:
+            log.warning("stopped by SIGTERM at step %d; resume with ckpt_path=last", trainer.global_step)
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt")
     if cfg.test:
@@ -69,6 +78,37 @@ def _silence_known_noise() -> None:
     inherited = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
     ours = [f"ignore:{message}" for message in KNOWN_NOISE]
     os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys(inherited + ours))
+
+
+def build(node, **kwargs):
+    """hydra.utils.instantiate, letting a UserError raised by a constructor through as itself."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, UserError):
+            raise err.__cause__ from None
+        raise
+
+
+def check_checkpoint_fits(model, path: Path) -> None:
+    """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size)."""
+    if path.is_dir():
+        return  # a sharded (fsdp) checkpoint: torch.distributed.checkpoint reports mismatches itself on load
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+    except Exception as err:
+        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {err}") from err
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in saved.items()}
+    if expected != found:
+        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        resized = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
+        raise UserError(
+            f"ckpt_path={path} holds weights of a different model (missing {missing[:3]}, unexpected"
+            f" {unexpected[:3]}, other shapes {resized[:3]}); use the model config of the run that saved it"
+        )
 
 
 def _floats(metrics) -> dict[str, float]:

@@ -51,6 +51,8 @@ class ShardedDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, split: str) -> DataLoader:
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        if len(dataset) == 0:
+            raise UserError(f"the {split} split is empty; give it samples (for digits: data.split)")
         if len(dataset) < world:
             raise UserError(f"the {split} split has {len(dataset)} samples, fewer than the {world} processes")
         train = split == "train"

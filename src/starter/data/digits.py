@@ -4,13 +4,16 @@ import torch
 
 from starter.data.base import ShardedDataModule
 from starter.data.in_memory import TensorPairs
+from starter.errors import UserError
 
 
 class DigitsDataModule(ShardedDataModule):
     def __init__(self, batch_size: int = 64, split=(0.7, 0.15, 0.15), seed: int = 42, **kwargs):
         super().__init__(batch_size=batch_size, seed=seed, **kwargs)
         if len(split) != 3 or abs(sum(split) - 1) > 1e-6:
-            raise ValueError(f"split={list(split)}: give three fractions (train, val, test) that sum to 1")
+            raise UserError(f"data.split={list(split)}: give three fractions (train, val, test) that sum to 1")
+        if min(split) * 1797 < 1:
+            raise UserError(f"data.split={list(split)}: every split needs samples; e.g. data.split=[0.7,0.15,0.15]")
         self.split = tuple(split)
 
     def setup(self, stage: str | None = None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from starter.config import device_count, world_size
+from starter.errors import PREEMPTED_EXIT_CODE
 
 
 class WorkerFailed(Exception):
@@ -68,6 +69,8 @@ def _wait(procs: list[subprocess.Popen]) -> None:
         if failed:
             rank, code = failed[0]
             message = f"worker of local rank {rank} exited with code {code}; the other workers were stopped"
+            if code == PREEMPTED_EXIT_CODE:
+                message = "stopped by SIGTERM after saving checkpoints/last.ckpt; resume with ckpt_path=last"
             raise WorkerFailed(message, exit_code=code if code > 0 else 1)
         if all(code == 0 for code in codes):
             return

@@ -1,0 +1,149 @@
+"""Runs are recoverable: atomic checkpoints, a killed rank, preemption by SIGTERM, concurrent runs, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUIET, ROOT, read_metrics, run_dirs, train
+from starter.checkpoint_io import AtomicCheckpointIO
+
+pytestmark = pytest.mark.slow
+
+
+class FailsToPickle:
+    def __reduce__(self):
+        raise RuntimeError("disk full")  # stands for any failure halfway through writing
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path):
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"w": torch.ones(3)}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"w": torch.zeros(10_000_000), "x": FailsToPickle()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+SAVE_FOREVER = """
+import sys, torch
+from starter.checkpoint_io import AtomicCheckpointIO
+io, i = AtomicCheckpointIO(), 0
+while True:
+    io.save_checkpoint({"version": i, "w": torch.full((4_000_000,), float(i))}, sys.argv[1])
+    if i == 0:
+        print("saved", flush=True)
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("delay", [0.03, 0.11, 0.23])
+def test_sigkill_during_saving_leaves_a_whole_checkpoint(delay, tmp_path):
+    path = tmp_path / "last.ckpt"
+    writer = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "saved\n"
+    time.sleep(delay)  # each 16 MB save takes a few tens of ms: the kill lands inside one
+    writer.kill()
+    writer.wait()
+    checkpoint = torch.load(path, weights_only=True)
+    assert torch.equal(checkpoint["w"], torch.full((4_000_000,), float(checkpoint["version"])))
+
+
+def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2) -> Path:
+    """Wait until last.ckpt holds `epochs` finished epochs (so training is well under way)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))
+        if found and torch.load(found[0], weights_only=True)["epoch"] >= epochs - 1:
+            return found[0]
+        time.sleep(0.3)
+    raise AssertionError(f"no checkpoint appeared; exit code {proc.poll()}")
+
+
+def worker_of_rank(launcher: subprocess.Popen, local_rank: int) -> int:
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError("worker not found")
+
+
+LONG_DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000"]
+
+
+def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_checkpoint(tmp_path):
+    proc = start(tmp_path, *LONG_DDP)
+    last = wait_for_checkpoint(tmp_path, proc)
+    os.kill(worker_of_rank(proc, 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.wait(timeout=60)
+    seconds = time.monotonic() - killed_at
+    assert proc.returncode != 0 and seconds < 60, seconds
+    assert "worker of local rank 1 exited with code -9" in proc.stderr.read()
+    epoch = torch.load(last, weights_only=True)["epoch"]  # whole, loadable
+    train(tmp_path, *LONG_DDP[:3], "ckpt_path=last", f"trainer.max_epochs={epoch + 2}")
+    resumed = [d for d in run_dirs(tmp_path) if d != last.parents[1]]
+    assert len(resumed) == 1 and read_metrics(resumed[0])["test/acc"] > 0.9
+
+
+def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(tmp_path):
+    proc = start(tmp_path, *LONG_DDP)
+    last = wait_for_checkpoint(tmp_path, proc)
+    before = torch.load(last, weights_only=True)["global_step"]
+    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the job
+    proc.wait(timeout=60)
+    assert proc.returncode == 143
+    err = proc.stderr.read()
+    assert "stopped by SIGTERM after saving checkpoints/last.ckpt; resume with ckpt_path=last" in err
+    assert "Traceback" not in err
+    assert torch.load(last, weights_only=True)["global_step"] > before  # saved at the stop, mid-epoch
+
+
+def test_two_ddp_runs_at_once_do_not_collide(tmp_path):
+    procs = [start(tmp_path / name, "strategy=ddp", "devices=2", "accelerator=cpu", "debug=limit")
+             for name in ("a", "b") if not (tmp_path / name).mkdir()]  # fmt: skip
+    for proc in procs:
+        proc.wait(timeout=300)
+        assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_no_bad_checkpoint(tmp_path):
+    proc = train(tmp_path, "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=1e30", expect_ok=False)
+    assert proc.returncode == 2
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: the training loss is ") and " at step " in line and "lower model.optimizer.lr" in line
+    assert not list(tmp_path.glob("logs/**/*.ckpt"))
+
+
+def test_checkpoint_of_a_different_model_is_refused_before_training(default_run, tmp_path):
+    best = default_run[1] / "checkpoints" / "best.ckpt"
+    proc = train(tmp_path, "model=cnn", f"ckpt_path={best}", expect_ok=False)
+    assert proc.returncode == 2 and "holds weights of a different model" in proc.stderr
+    assert not list(tmp_path.glob("logs/**/metrics.csv"))
+
+
+def test_empty_split_is_refused_before_training(tmp_path):
+    proc = train(tmp_path, "data.split=[0.85,0.15,0.0]", expect_ok=False)
+    assert proc.returncode == 2 and "error: data.split=[0.85, 0.15, 0.0]: every split needs samples" in proc.stderr
+
+
+def test_unwritable_output_directory_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"paths.log_dir={blocker / 'logs'}"],
+                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"error: cannot write the run directory {blocker / 'logs'}")
+    assert f"{blocker} is not a directory; set paths.log_dir" in proc.stderr
