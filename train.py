@@ -4,7 +4,9 @@ Only Hydra is imported here, so `--help` and config errors stay fast; torch and 
 """
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from starter.run_name import run_name
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -15,4 +17,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     main()

@@ -13,11 +13,17 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
+
+from starter.run_name import run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+if not OmegaConf.has_resolver("run_name"):
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does
 
 
 def compose_config(overrides: list[str], run_dir: Path):

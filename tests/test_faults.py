@@ -97,11 +97,14 @@ def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_check
     assert len(resumed) == 1 and read_metrics(resumed[0])["test/acc"] > 0.9
 
 
-def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "rank 1 only"])
+def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(target, tmp_path):
     proc = start(tmp_path, *LONG_DDP)
     last = wait_for_checkpoint(tmp_path, proc)
     before = torch.load(last, weights_only=True)["global_step"]
-    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler sends to the job
+    # The launcher forwards a scheduler's SIGTERM to every worker; a signal reaching only one rank must
+    # stop all of them at the same step too (they agree after each batch).
+    os.kill(proc.pid if target == "launcher" else worker_of_rank(proc, 1), signal.SIGTERM)
     proc.wait(timeout=60)
     assert proc.returncode == 143
     err = proc.stderr.read()

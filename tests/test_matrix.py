@@ -37,7 +37,7 @@ def test_the_readme_matrix_covers_every_strategy_and_precision():
 def test_pair_behaves_as_the_readme_says(strategy, devices, precision, tmp_path):
     expected = MATRIX[strategy, devices, precision]
     proc = train(tmp_path, f"strategy={strategy}", f"devices={devices}", f"precision={precision}", "accelerator=cpu",
-                 "debug=limit", "trainer.max_epochs=1", expect_ok=False)  # fmt: skip
+                 "debug=limit", "trainer.max_epochs=1", "test=false", expect_ok=False)  # fmt: skip
     out = proc.stdout + proc.stderr
     if expected.startswith("refused"):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
