@@ -5,6 +5,7 @@ for the one decision that needs it (whether this machine has CUDA).
 """
 
 import logging
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -46,6 +47,7 @@ def per_process_batch_size(global_batch_size: int, world: int) -> int:
 
 def prepare(cfg: DictConfig) -> None:
     """Validate `cfg` and settle, in place, what must be fixed before launch (precision on CPU, `ckpt_path=last`)."""
+    _adopt_torchrun_sizes(cfg)
     devices = device_count(cfg.devices)
     if devices < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
@@ -57,6 +59,23 @@ def prepare(cfg: DictConfig) -> None:
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         cfg.ckpt_path = str(resolve_ckpt_path(cfg))
+
+
+def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
+    """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    local, total = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = total // local
+    if (device_count(cfg.devices), int(cfg.num_nodes)) == (local, nodes):
+        return
+    if (device_count(cfg.devices), int(cfg.num_nodes)) != (1, 1):
+        raise UserError(
+            f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local} process(es) per node"
+            f" on {nodes} node(s); use devices={local} num_nodes={nodes}, or leave both out"
+        )
+    log.info("torchrun: devices=%d num_nodes=%d (from LOCAL_WORLD_SIZE and WORLD_SIZE)", local, nodes)
+    cfg.devices, cfg.num_nodes = local, nodes
 
 
 def cuda_device_count() -> int:

@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 
 
@@ -19,7 +20,9 @@ def check_writable(directory: str) -> None:
 
 class CheckOutputDir(Callback):
     def on_run_start(self, config, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # as Hydra does next: lets ${hydra:...} in paths resolve
         check_writable(config.hydra.run.dir)
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)
         check_writable(config.hydra.sweep.dir)

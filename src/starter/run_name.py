@@ -6,8 +6,10 @@ is shared with the others through torchrun's own key-value store, so all ranks w
 
 import os
 from datetime import datetime
+from functools import cache
 
 
+@cache  # one name per process, however often Hydra resolves the run directory
 def run_name() -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
     if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
