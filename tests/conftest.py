@@ -26,7 +26,7 @@ if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does
 
 
-def compose_config(overrides: list[str], run_dir: Path):
+def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False):
     """The config train.py would run with these overrides, resolvable outside a Hydra run."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -35,7 +35,8 @@ def compose_config(overrides: list[str], run_dir: Path):
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
         cfg.paths.log_dir = str(run_dir.parent)
-        del cfg.hydra
+        if not keep_hydra:
+            del cfg.hydra
     return cfg
 
 

@@ -14,7 +14,7 @@ from starter.errors import UserError
 from starter.strategies.build import build_strategy
 
 GROUPS = ["data", "model", "strategy", "trainer", "callbacks", "logger", "paths", "hydra",
-          "experiment", "debug"]  # fmt: skip
+          "experiment", "debug", "hparams_search", "launcher"]  # fmt: skip
 
 
 def options(group: str) -> list[str]:

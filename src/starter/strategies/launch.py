@@ -27,9 +27,13 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
+def processes_exist() -> bool:
+    """torchrun (LOCAL_RANK) or SLURM with one task per device (SLURM_NTASKS > 1) started every rank already."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
 def needs_launch(cfg: DictConfig) -> bool:
-    """True unless the processes already exist (torchrun, SLURM: LOCAL_RANK is set) or there is only one."""
-    return cfg.strategy.get("launcher") == "subprocess" and world_size(cfg) > 1 and "LOCAL_RANK" not in os.environ
+    return cfg.strategy.get("launcher") == "subprocess" and world_size(cfg) > 1 and not processes_exist()
 
 
 def free_port() -> int:

@@ -4,13 +4,13 @@ from torch import nn
 
 
 class MLP(nn.Sequential):
-    """Flatten, then Linear-ReLU blocks of the given widths, then a Linear classifier."""
+    """Flatten, `depth` Linear-ReLU blocks of `width` units, then a Linear classifier."""
 
-    def __init__(self, in_shape: list[int], num_classes: int, hidden: list[int] = (256, 256)):
+    def __init__(self, in_shape: list[int], num_classes: int, width: int = 256, depth: int = 2):
         layers: list[nn.Module] = [nn.Flatten()]
-        width = math.prod(in_shape)
-        for size in hidden:
-            layers += [nn.Linear(width, size), nn.ReLU()]
-            width = size
-        layers.append(nn.Linear(width, num_classes))
+        features = math.prod(in_shape)
+        for _ in range(depth):
+            layers += [nn.Linear(features, width), nn.ReLU()]
+            features = width
+        layers.append(nn.Linear(features, num_classes))
         super().__init__(*layers)
