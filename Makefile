@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch/torchvision pinned to the builds this starter is tested with (CUDA wheels that also run on CPU).
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install train test test-fast clean
+.PHONY: install train test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,9 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
+
+bench: install
+	$(PY) -m benchmarks.run_all
 
 clean:
 	rm -rf logs outputs multirun .pytest_cache

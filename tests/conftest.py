@@ -1,9 +1,7 @@
 """Shared test helpers: compose the real config, run the real train.py, and make small data sets."""
 
-import gzip
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
+
+from starter.data.mnist import write_idx
 
 from starter.run_name import run_name
 
@@ -60,15 +60,6 @@ def run_dirs(tmp_path: Path, task: str = "train") -> list[Path]:
 
 def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
-
-
-def write_idx(path: Path, array: np.ndarray, gz: bool = False) -> None:
-    """An MNIST IDX file: magic (0, 0, dtype 0x08 = ubyte, ndim), big-endian dims, then the bytes."""
-    data = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    data += array.astype(np.uint8).tobytes()
-    if gz:
-        path, data = path.with_suffix(path.suffix + ".gz"), gzip.compress(data)
-    path.write_bytes(data)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench` (or `python -m benchmarks.<name>` from the repository root)."""

@@ -1,0 +1,85 @@
+"""Shared by the benchmark scripts: config composition, a step timer callback, result tables."""
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def compose(overrides: list[str], output_dir: Path):
+    """train.py's config for these overrides, with the run written to `output_dir`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from starter.run_name import run_name
+
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+        del cfg.hydra
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+class StepTimer(L.Callback):
+    """Writes {steps, seconds, samples} of training from batch `warmup` to the epoch's last batch (rank 0)."""
+
+    def __init__(self, output: str, warmup: int = 10):
+        self.output, self.warmup = Path(output), warmup
+        self.start = self.end = None
+        self.steps = self.samples = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if batch_idx >= self.warmup:
+            self.steps += 1
+            self.samples += len(batch[1]) * trainer.world_size
+            self.end = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            import resource
+
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process (rank 0)
+            figures = {"steps": self.steps, "samples": self.samples, "seconds": self.end - self.start,
+                       "peak_rss_mb": peak_mb}  # fmt: skip
+            self.output.write_text(json.dumps(figures))
+
+
+def summary(values: list[float]) -> str:
+    """median [min - max]"""
+    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class ExitAtFirstStep(L.Callback):
+    """Writes the wall-clock time of the first training step to `output`, then ends the process at once."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.output.write_text(repr(time.time()))
+        import os
+
+        os._exit(0)

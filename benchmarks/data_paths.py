@@ -1,0 +1,94 @@
+"""Data paths: one MNIST epoch held in memory (this starter) vs torchvision's per-item PIL path, and
+ImageFolder decode throughput per DataLoader worker count on a generated JPEG folder."""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from benchmarks.common import RESULTS, markdown_table
+from starter.data.imagenet import ImageFolderDataModule
+from starter.data.mnist import MNISTDataModule, write_fake_mnist
+
+
+def epoch_seconds(loader) -> float:
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - start
+
+
+def mnist_loaders(data_dir: Path, batch_size: int):
+    from torchvision import transforms
+    from torchvision.datasets import MNIST
+
+    ours = MNISTDataModule(str(data_dir), download=False, val_size=0, batch_size=batch_size,
+                           image_shape=[1, 28, 28], num_classes=10)  # fmt: skip
+    ours.setup()
+    per_item = MNIST(str(data_dir), train=True, transform=transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]))  # fmt: skip
+    return ours.train_dataloader(), DataLoader(per_item, batch_size=batch_size, shuffle=True)
+
+
+def write_jpegs(root: Path, count: int, size=(500, 375)) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in range(4):
+            (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "train" / f"class{i % 4}" / f"{i}.JPEG", quality=90)
+    for c in range(4):
+        Image.fromarray(pixels).save(root / "val" / f"class{c}" / "0.JPEG")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="data-"))
+
+    ours, per_item = mnist_loaders(write_fake_mnist(scratch / "mnist", test_size=100), batch_size=128)
+    in_memory, pil = [], []
+    for _ in range(args.repeats):
+        in_memory.append(epoch_seconds(ours))
+        pil.append(epoch_seconds(per_item))
+    ratio = statistics.median(pil) / statistics.median(in_memory)
+    mnist_table = markdown_table(
+        ["MNIST train epoch (60k, batch 128)", "median s", "range s"],
+        [["in memory, normalised once (this starter)", f"{statistics.median(in_memory):.2f}",
+          f"{min(in_memory):.2f}-{max(in_memory):.2f}"],
+         ["torchvision MNIST, PIL + ToTensor per item", f"{statistics.median(pil):.2f}", f"{min(pil):.2f}-{max(pil):.2f}"]],
+    ) + f"\n\nIn memory is {ratio:.1f}x faster than the per-item PIL path (target: 2.5x or more).\n"  # fmt: skip
+
+    write_jpegs(scratch / "jpeg", args.images)
+    rows, decode = [], {}
+    for workers in args.workers:
+        dm = ImageFolderDataModule(str(scratch / "jpeg"), batch_size=32, num_workers=workers, pin_memory=False,
+                                   persistent_workers=False, image_shape=[3, 224, 224], num_classes=4)  # fmt: skip
+        dm.setup()
+        loader = dm.train_dataloader()
+        seconds = [epoch_seconds(loader) for _ in range(args.repeats)]
+        decode[workers] = [args.images // 32 * 32 / s for s in seconds]
+        rows.append([workers, f"{statistics.median(decode[workers]):.0f}",
+                     f"{min(decode[workers]):.0f}-{max(decode[workers]):.0f}"])  # fmt: skip
+    folder_table = markdown_table(
+        ["DataLoader workers", "images/s (500x375 JPEG -> RandomResizedCrop 224)", "range"], rows)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "data.md").write_text(mnist_table + "\n" + folder_table + "\n")
+    (RESULTS / "data.json").write_text(json.dumps({"mnist_in_memory_s": in_memory, "mnist_pil_s": pil,
+                                                   "imagefolder_images_per_s": decode}, indent=1) + "\n")
+    print(mnist_table + "\n" + folder_table)
+
+
+if __name__ == "__main__":
+    main()

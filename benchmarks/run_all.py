@@ -1,0 +1,59 @@
+"""`make bench`: run every benchmark, then write benchmarks/RESULTS.md with each table and its target."""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import RESULTS, ROOT
+
+BENCHMARKS = ["parity", "parity_ddp", "data_paths", "startup", "strategy_matrix"]
+
+
+def verdicts() -> list[str]:
+    lines = []
+    parity = json.loads((RESULTS / "parity.json").read_text())
+    single = statistics.median(parity["128"]["ratio"])
+    ddp = statistics.median(json.loads((RESULTS / "parity_ddp.json").read_text())["ratio"])
+    data = json.loads((RESULTS / "data.json").read_text())
+    data_ratio = statistics.median(data["mnist_pil_s"]) / statistics.median(data["mnist_in_memory_s"])
+    startup = {k: statistics.median(v) for k, v in json.loads((RESULTS / "startup.json").read_text()).items()}
+    first_step = startup["python train.py, to the first training step"] - startup['python -c "import torch, lightning"']
+    checks = [
+        ("parity, single process, MNIST defaults (batch 128)", single, 0.90, ">="),
+        ("parity, ddp on 2 processes (batch 128)", ddp, 0.90, ">="),
+        ("MNIST data path, in memory / per-item PIL", data_ratio, 2.5, ">="),
+        ("`python train.py --help`, seconds", startup["python train.py --help"], 1.0, "<"),
+        ("first training step minus bare import, seconds", first_step, 1.5, "<="),
+    ]
+    for name, value, target, op in checks:
+        met = {">=": value >= target, "<": value < target, "<=": value <= target}[op]
+        gap = "" if met else f" (missed by {abs(value - target):.2f})"
+        lines.append(f"| {name} | {value:.2f} | {op} {target} | {'met' if met else 'NOT met' + gap} |")
+    return ["| target | measured | wanted | |", "| --- | --- | --- | --- |", *lines]
+
+
+def main() -> None:
+    started = time.time()
+    for name in sys.argv[1:] or BENCHMARKS:
+        print(f"== {name}", flush=True)
+        subprocess.run([sys.executable, "-m", f"benchmarks.{name}"], cwd=ROOT, check=True)
+    sections = [
+        "# Benchmark results",
+        f"Written by `make bench` ({time.time() - started:.0f} s) on this machine: "
+        "2 CPU cores, no GPU. Ratios compare runs made in the same invocation.",
+        "## Targets", *verdicts(),
+        "## Parity: train.py vs a hand-written loop, single process", (RESULTS / "parity.md").read_text(),
+        "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
+        "## Data paths", (RESULTS / "data.md").read_text(),
+        "## Start-up", (RESULTS / "startup.md").read_text(),
+        "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),
+        "![strategy x precision](results/strategy_matrix.png)",
+    ]  # fmt: skip
+    (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
+    print((ROOT / "benchmarks" / "RESULTS.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Start-up: wall time of `--help`, of config errors, and of `python train.py` to its first training step,
+next to the bare `python -c "import torch, lightning"` on the same machine (REPEATS runs each, alternated)."""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, ROOT, markdown_table
+
+TRAIN = [sys.executable, str(ROOT / "train.py")]
+
+
+def wall(command: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, cwd=cwd, capture_output=True)
+    return time.perf_counter() - start
+
+
+def to_first_step(cwd: Path) -> float:
+    marker = cwd / "first_step"
+    command = [*TRAIN, f"paths.log_dir={cwd / 'logs'}", "+callbacks.first_step._target_=benchmarks.common.ExitAtFirstStep",
+               f"+callbacks.first_step.output={marker}"]  # fmt: skip
+    start = time.time()
+    subprocess.run(command, cwd=ROOT, capture_output=True)
+    return float(marker.read_text()) - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="startup-"))
+    cases = {
+        'python -c "import torch, lightning"': lambda: wall([sys.executable, "-c", "import torch, lightning"], scratch),
+        "python train.py --help": lambda: wall([*TRAIN, "--help"], scratch),
+        "python train.py strategy=fdsp (unknown option)": lambda: wall([*TRAIN, "strategy=fdsp"], scratch),
+        "python train.py strategy=ddp devices=2 data.batch_size=63 (bad batch)": lambda: wall(
+            [*TRAIN, "strategy=ddp", "devices=2", "data.batch_size=63", f"paths.log_dir={scratch}"], scratch),
+        "python train.py, to the first training step": lambda: to_first_step(scratch),
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):
+        for name, measure in cases.items():
+            times[name].append(measure())
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    bare = medians['python -c "import torch, lightning"']
+    rows = [[f"`{name}`", f"{medians[name]:.2f}", f"{min(t):.2f}-{max(t):.2f}"] for name, t in times.items()]
+    table = markdown_table(["command", "median s", "range s"], rows)
+    first = medians["python train.py, to the first training step"]
+    verdict = (
+        f"\nTo the first training step: bare import + {first - bare:.2f} s (target: + 1.5 s or less)."
+        f"\n`--help`: {medians['python train.py --help']:.2f} s (target: under 1 s)."
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "startup.md").write_text(table + "\n" + verdict + "\n")
+    (RESULTS / "startup.json").write_text(json.dumps(times, indent=1) + "\n")
+    print(table + verdict)
+
+
+if __name__ == "__main__":
+    main()
