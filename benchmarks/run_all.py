@@ -1,4 +1,6 @@
-"""`make bench`: run every benchmark, then write benchmarks/RESULTS.md with each table and its target."""
+"""`make bench`: run every benchmark, then write benchmarks/RESULTS.md with each table and its target.
+
+`python -m benchmarks.run_all parity startup` runs some; `--report-only` rewrites RESULTS.md from results/."""
 
 import json
 import statistics
@@ -31,19 +33,20 @@ def verdicts() -> list[str]:
         met = {">=": value >= target, "<": value < target, "<=": value <= target}[op]
         gap = "" if met else f" (missed by {abs(value - target):.2f})"
         lines.append(f"| {name} | {value:.2f} | {op} {target} | {'met' if met else 'NOT met' + gap} |")
-    return ["| target | measured | wanted | |", "| --- | --- | --- | --- |", *lines]
+    return "\n".join(["| target | measured | wanted | |", "| --- | --- | --- | --- |", *lines])
 
 
 def main() -> None:
     started = time.time()
-    for name in sys.argv[1:] or BENCHMARKS:
+    names = [] if sys.argv[1:] == ["--report-only"] else sys.argv[1:] or BENCHMARKS
+    for name in names:
         print(f"== {name}", flush=True)
         subprocess.run([sys.executable, "-m", f"benchmarks.{name}"], cwd=ROOT, check=True)
     sections = [
         "# Benchmark results",
-        f"Written by `make bench` ({time.time() - started:.0f} s) on this machine: "
+        f"Written by `make bench` on this machine: "
         "2 CPU cores, no GPU. Ratios compare runs made in the same invocation.",
-        "## Targets", *verdicts(),
+        "## Targets", verdicts(),
         "## Parity: train.py vs a hand-written loop, single process", (RESULTS / "parity.md").read_text(),
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
         "## Data paths", (RESULTS / "data.md").read_text(),
