@@ -150,3 +150,14 @@ def test_unwritable_output_directory_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: cannot write the run directory {blocker / 'logs'}")
     assert f"{blocker} is not a directory; set paths.log_dir" in proc.stderr
+
+
+def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_path):
+    # What a SLURM requeue does: the same command again, into the same job directory.
+    run_dir = tmp_path / "logs" / "job"
+    again = ["ckpt_path=auto", f"hydra.run.dir={run_dir}", "debug=limit", "trainer.log_every_n_steps=1"]
+    first = train(tmp_path, *again, "trainer.max_epochs=1")
+    assert "ckpt_path=auto ->" not in first.stdout + first.stderr  # nothing to resume: a fresh start
+    second = train(tmp_path, *again, "trainer.max_epochs=2")
+    assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in second.stdout + second.stderr
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1

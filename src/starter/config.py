@@ -58,7 +58,8 @@ def prepare(cfg: DictConfig) -> None:
     per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
-        cfg.ckpt_path = str(resolve_ckpt_path(cfg))
+        path = resolve_ckpt_path(cfg)
+        cfg.ckpt_path = None if path is None else str(path)
 
 
 def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
@@ -128,8 +129,15 @@ def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
     cfg.precision = "bf16-mixed"
 
 
-def resolve_ckpt_path(cfg: DictConfig) -> Path:
-    """`last` means the newest checkpoints/last.ckpt among this task's earlier runs; any other value must exist."""
+def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
+    """`last`: the newest checkpoints/last.ckpt among this task's runs. `auto`: this run directory's own
+    last.ckpt if it has one (a requeued SLURM job continues), else none (a fresh start). Else: a path that exists."""
+    if cfg.ckpt_path == "auto":
+        own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if own.exists():
+            log.info("ckpt_path=auto -> %s (resuming this run)", own)
+            return own
+        return None
     if cfg.ckpt_path == "last":
         task_dir = Path(cfg.paths.log_dir) / cfg.task_name
         this_run = Path(cfg.paths.output_dir).resolve()
