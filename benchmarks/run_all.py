@@ -10,7 +10,7 @@ import time
 
 from benchmarks.common import RESULTS, ROOT
 
-BENCHMARKS = ["parity", "parity_ddp", "data_paths", "startup", "strategy_matrix"]
+BENCHMARKS = ["parity", "parity_ddp", "data_paths", "startup", "strategy_matrix", "gpu_scaling"]
 
 
 def verdicts() -> list[str]:
@@ -36,10 +36,27 @@ def verdicts() -> list[str]:
     return "\n".join(["| target | measured | wanted | |", "| --- | --- | --- | --- |", *lines])
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def gpu_section() -> str:
+    if (RESULTS / "gpu_scaling.md").is_file():
+        return (RESULTS / "gpu_scaling.md").read_text()
+    return ("Not measured: no CUDA on this machine. On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py`"
+            " (ResNet-50, bf16-mixed, channels_last, 1..N GPUs; `--compile` adds torch.compile). The tests run its"
+            " tiny CPU form (`--tiny --accelerator cpu`).")
+
+
 def main() -> None:
     started = time.time()
     names = [] if sys.argv[1:] == ["--report-only"] else sys.argv[1:] or BENCHMARKS
     for name in names:
+        if name == "gpu_scaling" and not cuda_available():
+            print("== gpu_scaling: no CUDA here, skipped (see RESULTS.md)", flush=True)
+            continue
         print(f"== {name}", flush=True)
         subprocess.run([sys.executable, "-m", f"benchmarks.{name}"], cwd=ROOT, check=True)
     sections = [
@@ -53,6 +70,7 @@ def main() -> None:
         "## Start-up", (RESULTS / "startup.md").read_text(),
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),
         "![strategy x precision](results/strategy_matrix.png)",
+        "## GPU scaling", gpu_section(),
     ]  # fmt: skip
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
     print((ROOT / "benchmarks" / "RESULTS.md").read_text())

@@ -1,7 +1,6 @@
 """Modes are interchangeable: same seed, data and global batch give the same weights and the same metrics."""
 
 import csv
-import warnings
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def single_eval(trained, tmp_path_factory):
     return read_metrics(run_dirs(tmp_path)[0])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, single_eval, strategy, tmp_path):
     train(tmp_path, "train=false", f"ckpt_path={trained}", f"strategy={strategy}", "devices=2", "accelerator=cpu")
     metrics = read_metrics(run_dirs(tmp_path)[0])
@@ -81,12 +80,15 @@ def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, 
     correct = metrics["test/acc"] * 271
     assert abs(correct - round(correct)) < 1e-4  # a whole number of the 271 images (float32 ratio)
     assert metrics["test/acc"] == single_eval["test/acc"]
-    if strategy == "ddp_spawn" and abs(metrics["test/loss"] - single_eval["test/loss"]) > 1e-6:
-        # Seen once in a full CI run (loss 0.2317 vs 0.2043, accuracy exact) and never reproduced alone or under
-        # load; an open issue (see the README). Reported, not hidden, while the accuracy check still holds.
-        warnings.warn(f"ddp_spawn test/loss {metrics['test/loss']} != single-process {single_eval['test/loss']}")
-    else:
-        assert abs(metrics["test/loss"] - single_eval["test/loss"]) <= 1e-6
+    assert abs(metrics["test/loss"] - single_eval["test/loss"]) <= 1e-6
+
+
+def test_evaluation_only_under_ddp_spawn_is_refused(trained, tmp_path):
+    # Open bug: in full-suite runs, train=false under ddp_spawn once logged a wrong test/loss and once crashed a
+    # spawned child; never reproduced alone. Refused up front rather than risk a silently wrong metric.
+    proc = train(tmp_path, "train=false", f"ckpt_path={trained}", "strategy=ddp_spawn", "devices=2",
+                 "accelerator=cpu", expect_ok=False)  # fmt: skip
+    assert proc.returncode == 2 and "use strategy=ddp to evaluate" in proc.stderr
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -31,6 +32,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.data)
     model = build(cfg.model)
+    if cfg.get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.get("compile"):
+        model.compile()  # in place: the module, its state dict and checkpoints keep their names
     trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
@@ -94,8 +99,6 @@ def check_checkpoint_fits(model, path: Path) -> None:
     """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size)."""
     if path.is_dir():
         return  # a sharded (fsdp) checkpoint: torch.distributed.checkpoint reports mismatches itself on load
-    import torch
-
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
     except Exception as err:

@@ -1,0 +1,20 @@
+"""The benchmark scripts that need hardware we lack run here in their tiny form, so they stay runnable."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_scaling_benchmark_runs_its_tiny_cpu_form(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.gpu_scaling", "--tiny", "--accelerator", "cpu", "--results", str(tmp_path)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads((tmp_path / "gpu_scaling_tiny.json").read_text())["devices"]
+    assert set(measured) == {"1", "2"} and all(v > 0 for v in measured.values())
+    assert "scaling efficiency" in (tmp_path / "gpu_scaling_tiny.md").read_text()
