@@ -30,7 +30,7 @@ def lightning_samples_per_s(data_dir: Path, batch_size: int, scratch: Path) -> t
     cfg = compose(
         ["data=mnist", f"paths.data_dir={data_dir}", "data.download=false", f"data.batch_size={batch_size}",
          "trainer.max_epochs=1", "test=false", f"paths.log_dir={scratch}", "accelerator=cpu",
-         f"+callbacks.step_timer._target_=benchmarks.common.StepTimer", f"+callbacks.step_timer.output={timing}"],
+         "+callbacks.step_timer._target_=benchmarks.common.StepTimer", f"+callbacks.step_timer.output={timing}"],
         scratch / f"run_{time.monotonic_ns()}",
     )  # fmt: skip
     run(cfg)

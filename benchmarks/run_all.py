@@ -3,10 +3,10 @@
 `python -m benchmarks.run_all parity startup` runs some; `--report-only` rewrites RESULTS.md from results/."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
 
 from benchmarks.common import RESULTS, ROOT
 
@@ -51,7 +51,6 @@ def gpu_section() -> str:
 
 
 def main() -> None:
-    started = time.time()
     names = [] if sys.argv[1:] == ["--report-only"] else sys.argv[1:] or BENCHMARKS
     for name in names:
         if name == "gpu_scaling" and not cuda_available():
@@ -61,8 +60,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", f"benchmarks.{name}"], cwd=ROOT, check=True)
     sections = [
         "# Benchmark results",
-        f"Written by `make bench` on this machine: "
-        "2 CPU cores, no GPU. Ratios compare runs made in the same invocation.",
+        f"Written by `make bench` on this machine: {os.cpu_count()} CPU cores, "
+        f"{'CUDA GPUs' if cuda_available() else 'no GPU'}. Ratios compare runs made in the same invocation.",
         "## Targets", verdicts(),
         "## Parity: train.py vs a hand-written loop, single process", (RESULTS / "parity.md").read_text(),
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),

@@ -38,7 +38,7 @@ class StateBytes(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != 2:
             return
-        figures = state_bytes(pl_module, [opt.optimizer if hasattr(opt, "optimizer") else opt for opt in trainer.optimizers])
+        figures = state_bytes(pl_module, trainer.optimizers)  # the torch optimizers, not Lightning's wrappers
         directory = self.output_dir / "state_bytes"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures) + "\n")
