@@ -63,6 +63,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
         write_run_outputs(Path(cfg.paths.output_dir), metrics)
+    if torch.distributed.is_initialized():
+        # Leaving a gloo process group to interpreter shutdown can abort a rank on exit ("terminate called
+        # without an active exception", exit -6) after a successful run: close it while every rank is here.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return metrics
 
 
