@@ -1,8 +1,16 @@
 """ddp and ddp_spawn on 2 CPU processes (gloo): same results as one process, one run directory, one voice."""
 
-import pytest
+from pathlib import Path
 
-from conftest import read_metrics, run_dirs, train
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import SumMetric
+
+from conftest import CONF, read_metrics, run_dirs, train
+from starter.strategies.build import build_strategy
 
 pytestmark = pytest.mark.slow
 
@@ -35,3 +43,31 @@ def test_worker_error_stops_all_workers_with_one_message(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: MNIST not found in {tmp_path / 'none'}")
+
+
+class CountSamples(L.LightningModule):
+    """Counts test samples with a torchmetrics SumMetric; writes each rank's own count before the sync."""
+
+    def __init__(self, out_dir: Path):
+        super().__init__()
+        self.layer, self.count, self.out_dir = torch.nn.Linear(1, 1), SumMetric(), out_dir
+
+    def test_step(self, batch, batch_idx):
+        self.count.update(torch.ones(len(batch[0])))
+        self.log("samples", self.count)
+
+    def on_test_epoch_end(self):
+        (self.out_dir / f"rank{self.global_rank}").write_text(str(int(self.count.sum_value)))
+
+
+def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path):
+    # mp.spawn passes tensors in shared memory. Lightning unshares parameters and buffers, not torchmetrics
+    # states: with its plain DDPStrategy both ranks add into one tensor (each rank "counts" 10, the sync says 20)
+    # and an unsynchronised += can lose a batch. The ddp_spawn config's strategy gives each rank its own.
+    strategy = build_strategy(OmegaConf.load(CONF / "strategy" / "ddp_spawn.yaml"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    data = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)
+    trainer.test(CountSamples(tmp_path), data, verbose=False)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["5", "5"]
+    assert trainer.callback_metrics["samples"] == 10

@@ -116,9 +116,6 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
             )
         if devices == 1:
             log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")
-    if name == "ddp_spawn" and not cfg.train and devices * int(cfg.num_nodes) > 1:
-        # Seen in full test-suite runs only: a wrong test/loss once, a crashed spawned child once (README).
-        raise UserError("strategy=ddp_spawn with train=false is not reliable yet; use strategy=ddp to evaluate")
     if name == "fsdp" and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
         # fp16 needs a sharded gradient scaler, which Lightning's ModelParallelStrategy does not provide.
         raise UserError("strategy=fsdp cannot scale fp16 losses (16-mixed); use precision=bf16-mixed")

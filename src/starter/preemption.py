@@ -35,19 +35,3 @@ class SaveOnSigterm(L.Callback):
         if isinstance(exception, SIGTERMException):
             trainer.save_checkpoint(self.path)
 
-
-class CloseProcessGroupInSpawnedProcess(L.Callback):
-    """Under ddp_spawn, close the gloo/nccl process group when a spawned process is done with fit or test.
-
-    Left to interpreter shutdown, the group can abort the process on exit ("terminate called without an active
-    exception", exit -6) after a successful run. Runs last (teardown hooks); nothing collective follows in a
-    spawned process. Processes our launcher or torchrun started close the group at the end of run.py instead.
-    """
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        import torch.distributed as dist
-
-        spawned = type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher"
-        if spawned and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()

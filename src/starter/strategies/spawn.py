@@ -1,0 +1,44 @@
+"""ddp_spawn: Lightning's DDPStrategy with processes started by torch.multiprocessing.spawn, made safe on CPU.
+
+Two things a spawned process needs that Lightning 2.6 does not do:
+- Unshare every tensor of the model. mp.spawn passes tensors through shared memory; Lightning clones the
+  parameters and buffers in each process, but a torchmetrics state is a plain tensor attribute, so all ranks
+  added into ONE `weight`/`tp` tensor (counts doubled before the sync, and doubled again by it) and two ranks'
+  unsynchronised `+=` could lose an update: test/loss wrong by one batch's weight, seen in CI.
+- Close the process group when the process is done. Left to interpreter shutdown, gloo can abort a rank
+  after a successful run ("terminate called without an active exception", exit -6). Done after the whole
+  fit/test, user hooks included, and only on success: a failed rank must exit, not wait for the others.
+"""
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch import nn
+
+
+class DDPSpawnStrategy(DDPStrategy):
+    def __init__(self, **kwargs):
+        super().__init__(start_method="spawn", **kwargs)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _SafeSpawnLauncher(self, start_method=self._start_method)
+
+
+class _SafeSpawnLauncher(_MultiProcessingLauncher):
+    def _wrapping_function(self, process_idx, trainer, function, args, kwargs, *rest, **more) -> None:
+        args, kwargs = apply_to_collection((args, kwargs), dtype=nn.Module, function=unshare_tensor_attributes)
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest, **more)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def unshare_tensor_attributes(module: nn.Module) -> nn.Module:
+    """Give this process its own copy of every shared-memory tensor kept as a plain module attribute."""
+    for submodule in module.modules():
+        for name, value in list(vars(submodule).items()):
+            if isinstance(value, torch.Tensor) and value.is_shared():
+                setattr(submodule, name, value.clone())
+    return module
