@@ -109,6 +109,17 @@ def test_image_folder_without_val_is_one_clear_error(image_folder, tmp_path):
     assert proc.returncode == 2 and f"error: no directory {image_folder / 'val'}" in proc.stderr
 
 
+def test_corrupt_image_stops_the_run_naming_the_file(image_folder, tmp_path):
+    bad = image_folder / "train" / "dog" / "3.JPEG"
+    bad.write_bytes(b"not a jpeg")  # read in a DataLoader worker process: its error must still be one line
+    proc = train(tmp_path, "data=imagenet", f"data.root={image_folder}", "data.image_shape=[3,32,32]",
+                 "data.num_classes=3", "data.num_workers=2", "data.batch_size=6", expect_ok=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {bad}: cannot identify")
+    (run_dir,) = run_dirs(tmp_path)
+    assert not (run_dir / "metrics.json").exists() and not list(run_dir.rglob("*.ckpt"))
+
+
 def test_synthetic_data_trains_resnet18(tmp_path):
     train(tmp_path, "data=synthetic", "model=resnet18", "data.image_shape=[3,32,32]", "data.num_classes=10",
           "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1")  # fmt: skip

@@ -9,6 +9,7 @@ sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False
 """
 
 import lightning as L
+import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
@@ -66,7 +67,7 @@ class ShardedDataModule(L.LightningDataModule):
             batch_sampler=batches,
             collate_fn=keep_batch if isinstance(dataset, TensorPairs) else None,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),  # else torch warns on every loader
             persistent_workers=self.persistent_workers,
         )
 
