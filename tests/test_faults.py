@@ -97,6 +97,30 @@ def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_check
     assert len(resumed) == 1 and read_metrics(resumed[0])["test/acc"] > 0.9
 
 
+def test_sigkill_during_a_sharded_fsdp_save_leaves_a_whole_checkpoint(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    proc = start(tmp_path, "strategy=fsdp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000",
+                 "+callbacks.last_checkpoint.every_n_train_steps=1")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.05)
+    (last,) = tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt")
+    workers = [worker_of_rank(proc, rank) for rank in (0, 1)]
+    while len(list(last.parent.glob("last.ckpt.*"))) < 2:  # the next save has created its directory
+        time.sleep(0.001)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    versions = sorted(last.parent.glob("last.ckpt.*"))
+    assert len(versions) == 2 and last.resolve() == versions[0]  # the interrupted save was never pointed at
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    dcp_to_torch_save(last, tmp_path / "whole.pt")  # reads every shard the metadata names
+    weights = torch.load(tmp_path / "whole.pt", weights_only=True)["state_dict"]
+    assert weights and all(torch.isfinite(w).all() for w in weights.values())
+
+
 @pytest.mark.parametrize("target", ["launcher", "rank 1 only"])
 def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(target, tmp_path):
     proc = start(tmp_path, *LONG_DDP)

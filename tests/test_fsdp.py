@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import read_metrics, run_dirs, train
-from starter.strategies.fsdp import sharding_units
+from starter.strategies.fsdp import point_atomically, sharding_units
 
 pytestmark = pytest.mark.slow
 SHORT = ["accelerator=cpu", "devices=2", "callbacks=state_bytes", "debug=limit", "trainer.max_epochs=4"]  # 20 steps
@@ -36,6 +37,17 @@ def test_sharding_units_are_the_outermost_matching_modules():
     assert len(units) == 10  # the convs inside blocks are not split again
 
 
+def test_a_sharded_checkpoint_is_repointed_in_one_rename_and_older_versions_go(tmp_path):
+    (tmp_path / "best.ckpt.1").mkdir()
+    (tmp_path / "last.ckpt.1").mkdir()
+    point_atomically(tmp_path / "last.ckpt", "last.ckpt.1")
+    (tmp_path / "last.ckpt.2").mkdir()  # a save that a kill interrupted
+    (tmp_path / "last.ckpt.3").mkdir()
+    point_atomically(tmp_path / "last.ckpt", "last.ckpt.3")
+    assert os.readlink(tmp_path / "last.ckpt") == "last.ckpt.3"  # relative: the run directory can move
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.ckpt.1", "last.ckpt", "last.ckpt.3"]
+
+
 def test_fsdp_holds_at_most_055_of_ddp_state_per_rank(short_runs):
     for rank in (0, 1):
         ddp, fsdp = (json.loads((short_runs[s] / "state_bytes" / f"rank{rank}.json").read_text()) for s in ("ddp", "fsdp"))
@@ -52,8 +64,11 @@ def test_fsdp_weights_match_ddp_after_20_steps(short_runs):
 
 def test_fsdp_checkpoints_are_sharded_and_the_export_loads_into_a_plain_model(short_runs):
     run_dir = short_runs["fsdp"]
-    last = run_dir / "checkpoints" / "last.ckpt"
-    assert last.is_dir() and sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    last = run_dir / "checkpoints" / "last.ckpt"  # a symlink to this save's directory, repointed atomically
+    assert last.is_symlink() and last.resolve().parent == last.parent
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    saved = sorted(p.name.split(".")[:2] == ["last", "ckpt"] for p in last.parent.iterdir())
+    assert saved.count(True) == 2  # the link and the one directory it points at: older saves were deleted
     model = instantiate(OmegaConf.load(run_dir / "config.yaml").model)
     model.load_state_dict(torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True))  # strict, no prefix
 

@@ -76,8 +76,6 @@ KNOWN_NOISE = (
     "Experiment logs directory",
     # Lightning 2.6 calls a pytree API that torch 2.14 deprecates.
     "`isinstance(treespec",  # (a prefix: PYTHONWARNINGS entries cannot hold commas)
-    # torch.distributed.checkpoint rewriting a sharded last.ckpt/best.ckpt, which is the intent.
-    "Detected an existing checkpoint",
 )
 
 

@@ -5,10 +5,15 @@ subclass does it in the strategy instead, so the module stays strategy-agnostic.
 every parameter, gradient and optimizer state; a sharding unit's parameters are all-gathered for its
 forward and backward and freed after (`reshard_after_forward`), gradients are reduce-scattered. Order of
 application, as in torchtitan: activation checkpointing, then sharding units (innermost first), then roots.
-Runs on CPU (gloo) and GPU (nccl). Checkpoints are sharded directories (one file per rank + metadata).
+Runs on CPU (gloo) and GPU (nccl). Checkpoints are sharded directories (one file per rank + metadata),
+each save a new directory that `last.ckpt`/`best.ckpt` (symlinks) then point at atomically.
 """
 
+import os
+import shutil
+import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -104,3 +109,36 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        link = Path(filepath)
+        version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
+        super().save_checkpoint(checkpoint, link.parent / version, storage_options)
+        self.barrier()  # every shard written
+        if self.is_global_zero:
+            point_atomically(link, version)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath) -> None:
+        link = Path(filepath)
+        if self.is_global_zero and link.is_symlink():
+            shutil.rmtree(link.resolve(), ignore_errors=True)
+            link.unlink()
+        else:
+            super().remove_checkpoint(filepath)
+
+
+def point_atomically(link: Path, target: str) -> None:
+    """Make `link` a symlink to the sibling directory `target` with one rename, then delete its older versions
+    (also those a killed save left half-written)."""
+    temporary = link.with_name(f".{target}.link")
+    os.symlink(target, temporary)  # relative: the run directory can be moved
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)  # a plain sharded directory (written without this strategy)
+    os.replace(temporary, link)
+    for old in link.parent.glob(f"{link.name}.*"):
+        if old.name != target:
+            shutil.rmtree(old, ignore_errors=True)
