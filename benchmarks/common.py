@@ -1,7 +1,10 @@
-"""Shared by the benchmark scripts: config composition, a step timer callback, result tables."""
+"""Shared by the benchmark scripts: train.py command lines, config composition, a step timer, result tables."""
 
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +12,29 @@ import lightning as L
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(*overrides: str) -> list[str]:
+    """`python train.py OVERRIDES` with this interpreter."""
+    return [sys.executable, str(ROOT / "train.py"), *overrides]
+
+
+def timed_training(overrides: list[str], scratch: Path, warmup: int = 10) -> dict:
+    """Train with `python train.py OVERRIDES test=false` and a StepTimer; returns the timer's figures."""
+    timing = scratch / f"timing-{time.time_ns()}.json"
+    command = train_command(*overrides, "test=false", f"paths.log_dir={scratch / 'logs'}",
+                            "+callbacks.timer._target_=benchmarks.common.StepTimer",
+                            f"+callbacks.timer.output={timing}", f"+callbacks.timer.warmup={warmup}")  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(timing.read_text())
 
 
 def compose(overrides: list[str], output_dir: Path):

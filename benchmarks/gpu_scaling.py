@@ -8,27 +8,21 @@ Writes results/gpu_scaling.{md,json}.
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, markdown_table
+from benchmarks.common import RESULTS, markdown_table, timed_training
 
 
 def images_per_s(devices: int, args, scratch: Path) -> float:
-    timing = scratch / f"devices{devices}.json"
     model, size, per_device = ("resnet18", 32, 8) if args.tiny else ("resnet50", 224, args.batch_per_device)
-    command = [sys.executable, str(ROOT / "train.py"), "data=synthetic", f"model={model}",
-               f"strategy={'ddp' if devices > 1 else 'auto'}", f"devices={devices}", f"accelerator={args.accelerator}",
-               f"precision={args.precision}", f"data.image_shape=[3,{size},{size}]",
-               f"data.batch_size={per_device * devices}", f"data.train_size={per_device * devices * (args.steps + 3)}",
-               f"data.num_workers={args.workers}", "channels_last=true", f"compile={args.compile}",
-               "trainer.max_epochs=1", "trainer.limit_val_batches=1", "test=false", "trainer.enable_progress_bar=false",
-               f"paths.log_dir={scratch / 'logs'}", "+callbacks.timer._target_=benchmarks.common.StepTimer",
-               f"+callbacks.timer.output={timing}", "+callbacks.timer.warmup=3"]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, capture_output=True, check=True)
-    figures = json.loads(timing.read_text())
+    figures = timed_training(["data=synthetic", f"model={model}", f"strategy={'ddp' if devices > 1 else 'auto'}",
+                              f"devices={devices}", f"accelerator={args.accelerator}", f"precision={args.precision}",
+                              f"data.image_shape=[3,{size},{size}]", f"data.batch_size={per_device * devices}",
+                              f"data.train_size={per_device * devices * (args.steps + 3)}",
+                              f"data.num_workers={args.workers}", "channels_last=true", f"compile={args.compile}",
+                              "trainer.max_epochs=1", "trainer.limit_val_batches=1",
+                              "trainer.enable_progress_bar=false"], scratch, warmup=3)  # fmt: skip
     return figures["samples"] / figures["seconds"]
 
 

@@ -7,10 +7,7 @@ of one epoch, REPEATS alternated runs. Writes results/parity_ddp.{md,json}.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,10 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from benchmarks.common import RESULTS, ROOT, markdown_table
+from benchmarks.common import RESULTS, free_port, markdown_table, timed_training
 from starter.data.mnist import MNISTDataModule, write_fake_mnist
 from starter.models.nets.mlp import MLP
-from starter.strategies.launch import free_port
 
 
 def hand_ddp_worker(rank: int, world: int, data_dir: str, batch_size: int, port: int, output: str) -> None:
@@ -59,13 +55,9 @@ def hand_ddp(data_dir: Path, batch_size: int, scratch: Path) -> float:
 
 
 def ours_ddp(data_dir: Path, batch_size: int, scratch: Path) -> float:
-    output = scratch / "ours.json"
-    command = [sys.executable, str(ROOT / "train.py"), "data=mnist", f"paths.data_dir={data_dir}", "data.download=false",
-               f"data.batch_size={batch_size}", "strategy=ddp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1",
-               "test=false", f"paths.log_dir={scratch / 'logs'}", "+callbacks.timer._target_=benchmarks.common.StepTimer",
-               f"+callbacks.timer.output={output}"]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, capture_output=True, check=True, env=dict(os.environ))
-    figures = json.loads(output.read_text())
+    figures = timed_training(["data=mnist", f"paths.data_dir={data_dir}", "data.download=false",
+                              f"data.batch_size={batch_size}", "strategy=ddp", "devices=2", "accelerator=cpu",
+                              "trainer.max_epochs=1"], scratch)  # fmt: skip
     return figures["samples"] / figures["seconds"]
 
 

@@ -10,9 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, markdown_table
+from benchmarks.common import RESULTS, ROOT, markdown_table, train_command
 
-TRAIN = [sys.executable, str(ROOT / "train.py")]
+TRAIN = train_command()
 
 
 def wall(command: list[str], cwd: Path) -> float:

@@ -7,27 +7,21 @@ peak memory is the resident set of rank 0's process. Writes results/strategy_mat
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, markdown_table
+from benchmarks.common import RESULTS, markdown_table, timed_training
 
 PAIRS = [(s, p) for s in ("auto", "dp", "ddp", "ddp_spawn", "fsdp") for p in ("32", "bf16-mixed", "bf16-true")]
 
 
 def measure(strategy: str, precision: str, size: int, batch: int, scratch: Path) -> dict:
-    timing = scratch / f"{strategy}-{precision}.json"
     devices = 2 if strategy in ("ddp", "ddp_spawn", "fsdp") else 1
-    command = [sys.executable, str(ROOT / "train.py"), "data=synthetic", "model=resnet18", f"strategy={strategy}",
-               f"devices={devices}", f"precision={precision}", "accelerator=cpu", f"data.image_shape=[3,{size},{size}]",
-               f"data.batch_size={batch}", "trainer.max_epochs=1", "trainer.limit_train_batches=8",
-               "trainer.limit_val_batches=1", "test=false", f"paths.log_dir={scratch / 'logs'}",
-               "trainer.enable_progress_bar=false", "+callbacks.timer._target_=benchmarks.common.StepTimer",
-               f"+callbacks.timer.output={timing}", "+callbacks.timer.warmup=2"]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, capture_output=True, check=True)
-    figures = json.loads(timing.read_text())
+    figures = timed_training(["data=synthetic", "model=resnet18", f"strategy={strategy}", f"devices={devices}",
+                              f"precision={precision}", "accelerator=cpu", f"data.image_shape=[3,{size},{size}]",
+                              f"data.batch_size={batch}", "trainer.max_epochs=1", "trainer.limit_train_batches=8",
+                              "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"],
+                             scratch, warmup=2)  # fmt: skip
     return {"samples_per_s": figures["samples"] / figures["seconds"], "peak_rss_mb": figures["peak_rss_mb"],
             "processes": devices}  # fmt: skip
 

@@ -139,6 +139,17 @@ def test_corrupt_image_error_names_the_file(image_folder):
         list(as_rank(dm, 1, 0).val_dataloader())
 
 
+def test_skip_unreadable_leaves_the_image_out_and_counts_it_across_worker_processes(image_folder):
+    bad = image_folder / "val" / "dog" / "0.JPEG"
+    bad.write_bytes(b"not a jpeg")
+    dm = folder(image_folder, skip_unreadable=True, num_workers=2, batch_size=2)
+    dm.setup()
+    for _ in range(2):  # two epochs: counted once
+        labels = torch.cat([y for _, y in as_rank(dm, 1, 0).val_dataloader()])
+        assert labels.tolist() == [0, 0, 1, 2, 2]  # 6 images, dog 0 left out
+    assert dm.unreadable_images() == [str(bad)]
+
+
 def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     dm = SyntheticDataModule(batch_size=4, train_size=8, eval_size=4, image_shape=[3, 224, 224], num_classes=1000)
     dm.setup()

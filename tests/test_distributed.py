@@ -1,5 +1,6 @@
 """ddp and ddp_spawn on 2 CPU processes (gloo): same results as one process, one run directory, one voice."""
 
+import os
 from pathlib import Path
 
 import lightning as L
@@ -60,7 +61,7 @@ class CountSamples(L.LightningModule):
         (self.out_dir / f"rank{self.global_rank}").write_text(str(int(self.count.sum_value)))
 
 
-def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path):
+def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path, monkeypatch):
     # mp.spawn passes tensors in shared memory. Lightning unshares parameters and buffers, not torchmetrics
     # states: with its plain DDPStrategy both ranks add into one tensor (each rank "counts" 10, the sync says 20)
     # and an unsynchronised += can lose a batch. The ddp_spawn config's strategy gives each rank its own.
@@ -68,6 +69,8 @@ def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
     data = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     trainer.test(CountSamples(tmp_path), data, verbose=False)
+    assert "MASTER_PORT" not in os.environ  # its own port is not left for the runs this process starts later
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["5", "5"]
     assert trainer.callback_metrics["samples"] == 10

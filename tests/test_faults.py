@@ -1,5 +1,6 @@
 """Runs are recoverable: atomic checkpoints, a killed rank, preemption by SIGTERM, concurrent runs, bad input."""
 
+import csv
 import os
 import signal
 import subprocess
@@ -137,8 +138,11 @@ def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(target, tmp_p
     assert torch.load(last, weights_only=True)["global_step"] > before  # saved at the stop, mid-epoch
 
 
-def test_two_ddp_runs_at_once_do_not_collide(tmp_path):
-    procs = [start(tmp_path / name, "strategy=ddp", "devices=2", "accelerator=cpu", "debug=limit")
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_two_runs_at_once_do_not_collide(strategy, tmp_path, monkeypatch):
+    # Each run serves its rendezvous store on a port the OS gave it and holds (no MASTER_PORT given).
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    procs = [start(tmp_path / name, f"strategy={strategy}", "devices=2", "accelerator=cpu", "debug=limit")
              for name in ("a", "b") if not (tmp_path / name).mkdir()]  # fmt: skip
     for proc in procs:
         proc.wait(timeout=300)
@@ -185,3 +189,6 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
     second = train(tmp_path, *again, "trainer.max_epochs=2")
     assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in second.stdout + second.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
+    with open(run_dir / "metrics.csv", newline="") as f:  # the first attempt's rows are kept, then the second's
+        rows = [(int(r["epoch"]), int(r["step"])) for r in csv.DictReader(f) if r["train/loss"]]
+    assert rows == [(epoch, step) for step in range(10) for epoch in [step // 5]]

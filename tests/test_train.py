@@ -120,6 +120,18 @@ def test_corrupt_image_stops_the_run_naming_the_file(image_folder, tmp_path):
     assert not (run_dir / "metrics.json").exists() and not list(run_dir.rglob("*.ckpt"))
 
 
+def test_skip_unreadable_trains_past_a_corrupt_image_naming_and_counting_it(image_folder, tmp_path):
+    bad = image_folder / "train" / "dog" / "3.JPEG"
+    bad.write_bytes(b"not a jpeg")
+    proc = train(tmp_path, "data=imagenet", f"data.root={image_folder}", "data.image_shape=[3,32,32]",
+                 "data.num_classes=3", "data.num_workers=2", "data.batch_size=6", "data.skip_unreadable=true",
+                 "trainer.max_epochs=2")  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert out.count(f"skipping it (data.skip_unreadable=true): cannot read image {bad}") == 1  # once, 2 epochs
+    assert "1 unreadable image(s) skipped (data.skip_unreadable=true)" in out
+    assert "test/acc" in read_metrics(run_dirs(tmp_path)[0])
+
+
 def test_synthetic_data_trains_resnet18(tmp_path):
     train(tmp_path, "data=synthetic", "model=resnet18", "data.image_shape=[3,32,32]", "data.num_classes=10",
           "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1")  # fmt: skip

@@ -72,8 +72,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 
 KNOWN_NOISE = (
-    # The run directory also holds config.yaml, so CSVLogger says it "is not empty" (it only replaces metrics.csv).
-    "Experiment logs directory",
     # Lightning 2.6 calls a pytree API that torch 2.14 deprecates.
     "`isinstance(treespec",  # (a prefix: PYTHONWARNINGS entries cannot hold commas)
 )

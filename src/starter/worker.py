@@ -15,6 +15,11 @@ from starter.errors import UserError, one_line
 
 def main(config_path: str) -> int:
     rank = int(os.environ.get("RANK", 0))
+    if os.environ.get("STARTER_MASTER_PORT_ON_STDIN"):  # the launcher serves the rendezvous store
+        port = sys.stdin.readline().strip()
+        if not port:
+            return 1  # the launcher ended before it could say
+        os.environ["MASTER_PORT"] = port
     cfg = OmegaConf.load(config_path)
     handlers = [logging.StreamHandler()]
     if rank == 0:  # rank 0 continues the run's log file; other ranks only warn, so no console line is repeated

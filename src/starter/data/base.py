@@ -14,7 +14,6 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from starter.config import per_process_batch_size
-from starter.data.in_memory import TensorPairs, keep_batch
 from starter.errors import UserError
 
 
@@ -65,7 +64,7 @@ class ShardedDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_sampler=batches,
-            collate_fn=keep_batch if isinstance(dataset, TensorPairs) else None,
+            collate_fn=getattr(dataset, "collate_fn", None),  # a data set may batch itself (TensorPairs)
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),  # else torch warns on every loader
             persistent_workers=self.persistent_workers,

@@ -1,19 +1,24 @@
 """An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
 
 Train: RandomResizedCrop, horizontal flip, normalise. Val (also the test split): resize to 256/224 of the
-crop, centre crop, normalise. An unreadable image stops the run with an error that names the file.
+crop, centre crop, normalise. An unreadable image stops the run with an error that names the file, or, with
+`data.skip_unreadable=true`, is left out of its batch with a warning that names it, and counted.
 """
 
+import logging
 from functools import partial
 from pathlib import Path
 
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
+from torchvision.datasets import ImageFolder
 
 from starter.data.base import ShardedDataModule
 from starter.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+log = logging.getLogger(__name__)
 
 
 def load_image(path: str, mode: str = "RGB") -> Image.Image:
@@ -22,6 +27,35 @@ def load_image(path: str, mode: str = "RGB") -> Image.Image:
             return image.convert(mode)
     except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for truncated / non-image files
         raise UserError(f"cannot read image {path}: {err}") from err
+
+
+class ImageFiles(ImageFolder):
+    """ImageFolder that, with skip_unreadable, leaves unreadable images out of their batch and counts them."""
+
+    def __init__(self, directory: Path, transform, loader, skip_unreadable: bool):
+        super().__init__(str(directory), transform=transform, loader=loader)
+        # One flag per image, in shared memory: DataLoader workers set them, this process counts them.
+        self.unreadable = torch.zeros(len(self), dtype=torch.bool).share_memory_() if skip_unreadable else None
+
+    def __getitem__(self, index: int):
+        try:
+            return super().__getitem__(index)
+        except UserError as err:
+            if self.unreadable is None:
+                raise
+            if not self.unreadable[index]:
+                log.warning("skipping it (data.skip_unreadable=true): %s", err)
+            self.unreadable[index] = True
+            return None
+
+    def collate_fn(self, samples):
+        readable = [s for s in samples if s is not None]
+        if not readable:
+            raise UserError(f"every image of a batch in {self.root} is unreadable (the warnings above name them)")
+        return default_collate(readable)
+
+    def skipped(self) -> list[str]:
+        return [] if self.unreadable is None else [self.samples[int(i)][0] for i in self.unreadable.nonzero()]
 
 
 def imagenet_transforms(crop: int, channels: int, train: bool):
@@ -36,9 +70,27 @@ def imagenet_transforms(crop: int, channels: int, train: bool):
 
 
 class ImageFolderDataModule(ShardedDataModule):
-    def __init__(self, root: str, batch_size: int = 256, num_workers: int = 8, seed: int = 42, **kwargs):
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 256,
+        num_workers: int = 8,
+        seed: int = 42,
+        skip_unreadable: bool = False,
+        **kwargs,
+    ):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
         self.root = Path(root)
+        self.skip_unreadable = bool(skip_unreadable)
+
+    def unreadable_images(self) -> list[str]:
+        """The images this process has skipped so far (with skip_unreadable; val is also the test split)."""
+        return [path for split in (self.train_set, self.val_set) if split is not None for path in split.skipped()]
+
+    def teardown(self, stage: str) -> None:
+        if skipped := self.unreadable_images():
+            where = f" by rank {self.trainer.global_rank}" if self.trainer and self.trainer.world_size > 1 else ""
+            log.warning("%d unreadable image(s) skipped%s (data.skip_unreadable=true)", len(skipped), where)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -59,8 +111,6 @@ class ImageFolderDataModule(ShardedDataModule):
         self.train_set, self.val_set, self.test_set = train, val, val
 
     def _folder(self, split: str, train: bool):
-        from torchvision.datasets import ImageFolder
-
         directory = self.root / split
         if not directory.is_dir():
             raise UserError(
@@ -69,10 +119,11 @@ class ImageFolderDataModule(ShardedDataModule):
             )
         channels, crop = self.image_shape[0], self.image_shape[-1]
         try:
-            return ImageFolder(
-                str(directory),
+            return ImageFiles(
+                directory,
                 transform=imagenet_transforms(crop, channels, train),
                 loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
+                skip_unreadable=self.skip_unreadable,
             )
         except FileNotFoundError as err:  # a class folder without images, or no class folders at all
             raise UserError(f"{directory}: {err}") from err

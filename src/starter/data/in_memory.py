@@ -20,7 +20,7 @@ class TensorPairs(Dataset):
         index = torch.as_tensor(indices)
         return self.images[index], self.labels[index]
 
-
-def keep_batch(batch):
-    """collate_fn for TensorPairs: __getitems__ already returns the batch."""
-    return batch
+    @staticmethod
+    def collate_fn(batch):
+        """__getitems__ already returns the batch."""
+        return batch

@@ -5,13 +5,19 @@ Two things a spawned process needs that Lightning 2.6 does not do:
   parameters and buffers in each process, but a torchmetrics state is a plain tensor attribute, so all ranks
   added into ONE `weight`/`tp` tensor (counts doubled before the sync, and doubled again by it) and two ranks'
   unsynchronised `+=` could lose an update: test/loss wrong by one batch's weight, seen in CI.
+- Hold the rendezvous port. Lightning picks a port that is free now and rank 0 binds it seconds later (after
+  importing torch), so two runs started at once could take the same one. The store is served by this
+  process instead, on a port the OS picks, as in strategies/launch.py; the children are its clients.
 - Close the process group when the process is done. Left to interpreter shutdown, gloo can abort a rank
   after a successful run ("terminate called without an active exception", exit -6). Done after the whole
   fit/test, user hooks included, and only on success: a failed rank must exit, not wait for the others.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -27,6 +33,20 @@ class DDPSpawnStrategy(DDPStrategy):
 
 
 class _SafeSpawnLauncher(_MultiProcessingLauncher):
+    def launch(self, function, *args, trainer=None, **kwargs):
+        environment = self._strategy.cluster_environment
+        if "MASTER_PORT" in os.environ or type(environment) is not LightningEnvironment:
+            return super().launch(function, *args, trainer=trainer, **kwargs)  # a port the user or cluster chose
+        store = dist.TCPStore(environment.main_address, 0, is_master=True, wait_for_workers=False)  # noqa: F841
+        environment._main_port = store.port  # Lightning sets MASTER_PORT from it for the children
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of this store
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:  # the next fit/test gets a store of its own; nothing leaks into later runs from this process
+            environment._main_port = -1
+            for name in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+                os.environ.pop(name, None)
+
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, *rest, **more) -> None:
         args, kwargs = apply_to_collection((args, kwargs), dtype=nn.Module, function=unshare_tensor_attributes)
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest, **more)
