@@ -6,10 +6,10 @@ launches: each worker runs `python -m starter.worker <run_dir>/config.yaml` with
 environment set (the torchrun contract), so all ranks train the same resolved job into the same directory.
 If one worker fails, the others are stopped and the job fails with its exit code.
 
-On one machine (no MASTER_PORT given) the rendezvous store lives in this process, as under torchrun: bound to a
-port the OS picks and held for the whole run, so two runs started at once cannot race for a port (a port
-merely found free and bound seconds later by rank 0 could be taken in between). The workers learn it on
-stdin, after they have started importing torch.
+On one machine (no MASTER_PORT given) rank 0 serves the rendezvous store on a port the OS picks (port 0) and
+holds for the whole run, so two runs started at once cannot race for a port (a port merely found free here
+and bound by rank 0 seconds later, after its torch import, could be taken in between). Rank 0 tells this
+process the port through a pipe; it passes it on to the other ranks' stdin. This process never imports torch.
 """
 
 import os
@@ -22,10 +22,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from starter.config import device_count, world_size
-from starter.errors import PREEMPTED_EXIT_CODE
+from starter.errors import PREEMPTED_EXIT_CODE, UserError
 
 
-PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"
+PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
+PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"  # other ranks: read that port on stdin
 
 
 class WorkerFailed(Exception):
@@ -46,46 +47,54 @@ def needs_launch(cfg: DictConfig) -> bool:
 def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) -> None:
     devices = device_count(cfg.devices)
     node_rank = int(os.environ.get("NODE_RANK", 0))
-    host_store = not os.environ.get("MASTER_PORT")
     env = dict(
         os.environ,
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         NODE_RANK=str(node_rank),
         WORLD_SIZE=str(world_size(cfg)),
     )
-    if host_store:  # every rank is a client of the store this process serves (torch's agent-store contract)
-        env |= {PORT_ON_STDIN: "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     command = [sys.executable, "-m", "starter.worker", str(config_path)]
-    procs = [
-        subprocess.Popen(
-            command,
-            env=dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)),
-            stdin=subprocess.PIPE if host_store else None,
-            text=True,
-        )
-        for i in range(devices)
-    ]
+    ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]
+    port_pipe = None
+    if os.environ.get("MASTER_PORT"):  # chosen by the user (several nodes): rank 0 serves the store there
+        procs = [subprocess.Popen(command, env=rank_env) for rank_env in ranks]
+    elif int(cfg.num_nodes) > 1:
+        raise UserError("num_nodes > 1: set MASTER_ADDR and MASTER_PORT (the same on every node)")
+    else:
+        procs, port_pipe = _start_with_held_port(command, ranks)
     # A scheduler's SIGTERM (preemption) goes to every worker, which saves and exits; we then wait for them.
     previous = signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
     try:
-        store = _serve_rendezvous(env["MASTER_ADDR"], procs) if host_store else None  # noqa: F841 (held open)
+        if port_pipe is not None:
+            _relay_port(port_pipe, procs[1:])
         _wait(procs)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop(procs, grace_s)
 
 
-def _serve_rendezvous(address: str, procs: list[subprocess.Popen]):
-    from torch.distributed import TCPStore
+def _start_with_held_port(command: list[str], ranks: list[dict]):
+    """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and writes the port to a pipe; the
+    other ranks read it on stdin. All ranks are clients of that store (torch's agent-store contract)."""
+    read_end, write_end = os.pipe()
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    rank0 = dict(ranks[0], **agent, **{PORT_PIPE: str(write_end)})
+    procs = [subprocess.Popen(command, env=rank0, pass_fds=(write_end,))]
+    os.close(write_end)
+    procs += [subprocess.Popen(command, env=dict(r, **agent, **{PORT_ON_STDIN: "1"}), stdin=subprocess.PIPE,
+                               text=True) for r in ranks[1:]]  # fmt: skip
+    return procs, os.fdopen(read_end)
 
-    store = TCPStore(address, 0, is_master=True, wait_for_workers=False)  # port 0: the OS picks a free one
-    for p in procs:
+
+def _relay_port(port_pipe, others: list[subprocess.Popen]) -> None:
+    with port_pipe:
+        port = port_pipe.readline()  # "" if rank 0 ended first: _wait reports it
+    for p in others:
         try:
-            p.stdin.write(f"{store.port}\n")
+            p.stdin.write(port)
             p.stdin.close()
         except BrokenPipeError:
             pass  # that worker has already exited; _wait reports it
-    return store
 
 
 def _wait(procs: list[subprocess.Popen]) -> None:
