@@ -138,15 +138,22 @@ def test_sigterm_saves_last_checkpoint_and_exits_143_on_every_rank(target, tmp_p
     assert torch.load(last, weights_only=True)["global_step"] > before  # saved at the stop, mid-epoch
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_two_runs_at_once_do_not_collide(strategy, tmp_path, monkeypatch):
-    # Each run serves its rendezvous store on a port the OS gave it and holds (no MASTER_PORT given).
+def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):
+    # Rank 0 of each run serves its rendezvous store on a port the OS gave it and holds (no MASTER_PORT given);
+    # ddp_spawn's parent does the same (strategies/spawn.py), exercised by every ddp_spawn run.
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    procs = [start(tmp_path / name, f"strategy={strategy}", "devices=2", "accelerator=cpu", "debug=limit")
+    procs = [start(tmp_path / name, "strategy=ddp", "devices=2", "accelerator=cpu", "debug=limit")
              for name in ("a", "b") if not (tmp_path / name).mkdir()]  # fmt: skip
     for proc in procs:
         proc.wait(timeout=300)
         assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+def test_several_nodes_without_a_master_port_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu", expect_ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: num_nodes > 1: set MASTER_ADDR and MASTER_PORT (the same on every node)"
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_no_bad_checkpoint(tmp_path):

@@ -3,7 +3,6 @@
 import csv
 import json
 
-import pytest
 import torch
 
 from conftest import read_metrics, run_dirs, train
@@ -60,23 +59,6 @@ def test_ckpt_path_last_resumes_the_newest_run(default_run):
     with open(resumed / "metrics.csv", newline="") as f:
         trained_epochs = {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]}
     assert trained_epochs == {"20"}  # the first run's 20 epochs (0-19) were restored, only epoch 20 is new
-
-
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_run(precision, tmp_path):
-    train(tmp_path, f"precision={precision}", *LIMIT)
-    (run_dir,) = run_dirs(tmp_path)
-    assert f"precision: {precision}" in (run_dir / "config.yaml").read_text()
-    assert read_metrics(run_dir)["test/acc"] > 0
-
-
-def test_fp16_on_cpu_runs_as_bf16_and_says_so_once(tmp_path):
-    proc = train(tmp_path, "precision=16-mixed", "accelerator=cpu", *LIMIT)
-    out = proc.stdout + proc.stderr
-    assert out.count("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed") == 1
-    assert "AMP with fp16 is not supported" not in out  # Lightning's own multi-line warning is pre-empted
-    (run_dir,) = run_dirs(tmp_path)
-    assert "precision: bf16-mixed" in (run_dir / "config.yaml").read_text()
 
 
 def test_mnist_cnn_trains_from_local_files(mnist_dir, tmp_path):
