@@ -34,4 +34,3 @@ class SaveOnSigterm(L.Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             trainer.save_checkpoint(self.path)
-

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from starter.errors import UserError, one_line
-from starter.strategies.launch import PORT_ON_STDIN, PORT_PIPE
+from starter.strategies.launch import join_rendezvous
 
 
 def main(config_path: str) -> int:
@@ -27,7 +27,7 @@ def main(config_path: str) -> int:
     )
     from starter.run import run  # torch and lightning: imported by all ranks at once, before they wait
 
-    store = _rendezvous_port()  # noqa: F841 (rank 0 serves the store for as long as it runs)
+    store = join_rendezvous()  # noqa: F841 (rank 0 serves the store for as long as it runs)
     try:
         run(cfg)
     except UserError as err:
@@ -35,24 +35,6 @@ def main(config_path: str) -> int:
             print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
-
-
-def _rendezvous_port():
-    """Under strategies.launch on one machine: rank 0 serves the store on a port the OS picks and says which."""
-    if pipe := os.environ.get(PORT_PIPE):
-        from torch.distributed import TCPStore
-
-        store = TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False)
-        os.environ["MASTER_PORT"] = str(store.port)
-        with os.fdopen(int(pipe), "w") as f:
-            f.write(f"{store.port}\n")
-        return store
-    if os.environ.get(PORT_ON_STDIN):
-        port = sys.stdin.readline().strip()
-        if not port:
-            raise SystemExit(1)  # rank 0 ended before it could say; the launcher reports rank 0
-        os.environ["MASTER_PORT"] = port
-    return None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,15 @@ from starter.errors import PREEMPTED_EXIT_CODE, UserError
 
 PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
 PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"  # other ranks: read that port on stdin
+# torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def serve_store(address: str):
+    """A rendezvous store on a port the OS picks (port 0), held for as long as the returned object lives."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, 0, is_master=True, wait_for_workers=False)
 
 
 class WorkerFailed(Exception):
@@ -77,11 +86,10 @@ def _start_with_held_port(command: list[str], ranks: list[dict]):
     """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and writes the port to a pipe; the
     other ranks read it on stdin. All ranks are clients of that store (torch's agent-store contract)."""
     read_end, write_end = os.pipe()
-    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-    rank0 = dict(ranks[0], **agent, **{PORT_PIPE: str(write_end)})
+    rank0 = dict(ranks[0], **AGENT_STORE, **{PORT_PIPE: str(write_end)})
     procs = [subprocess.Popen(command, env=rank0, pass_fds=(write_end,))]
     os.close(write_end)
-    procs += [subprocess.Popen(command, env=dict(r, **agent, **{PORT_ON_STDIN: "1"}), stdin=subprocess.PIPE,
+    procs += [subprocess.Popen(command, env=dict(r, **AGENT_STORE, **{PORT_ON_STDIN: "1"}), stdin=subprocess.PIPE,
                                text=True) for r in ranks[1:]]  # fmt: skip
     return procs, os.fdopen(read_end)
 
@@ -95,6 +103,22 @@ def _relay_port(port_pipe, others: list[subprocess.Popen]) -> None:
             p.stdin.close()
         except BrokenPipeError:
             pass  # that worker has already exited; _wait reports it
+
+
+def join_rendezvous():
+    """The worker's side of _start_with_held_port (sets MASTER_PORT); rank 0 returns the store it serves."""
+    if pipe := os.environ.get(PORT_PIPE):
+        store = serve_store(os.environ["MASTER_ADDR"])
+        os.environ["MASTER_PORT"] = str(store.port)
+        with os.fdopen(int(pipe), "w") as f:
+            f.write(f"{store.port}\n")
+        return store
+    if os.environ.get(PORT_ON_STDIN):
+        port = sys.stdin.readline().strip()
+        if not port:
+            raise SystemExit(1)  # rank 0 ended before it could say; the launcher reports rank 0
+        os.environ["MASTER_PORT"] = port
+    return None
 
 
 def _wait(procs: list[subprocess.Popen]) -> None:

@@ -1,6 +1,6 @@
 """ddp_spawn: Lightning's DDPStrategy with processes started by torch.multiprocessing.spawn, made safe on CPU.
 
-Two things a spawned process needs that Lightning 2.6 does not do:
+Three things a spawned run needs that Lightning 2.6 does not do:
 - Unshare every tensor of the model. mp.spawn passes tensors through shared memory; Lightning clones the
   parameters and buffers in each process, but a torchmetrics state is a plain tensor attribute, so all ranks
   added into ONE `weight`/`tp` tensor (counts doubled before the sync, and doubled again by it) and two ranks'
@@ -23,6 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
+from starter.strategies.launch import AGENT_STORE, serve_store
+
 
 class DDPSpawnStrategy(DDPStrategy):
     def __init__(self, **kwargs):
@@ -37,14 +39,14 @@ class _SafeSpawnLauncher(_MultiProcessingLauncher):
         environment = self._strategy.cluster_environment
         if "MASTER_PORT" in os.environ or type(environment) is not LightningEnvironment:
             return super().launch(function, *args, trainer=trainer, **kwargs)  # a port the user or cluster chose
-        store = dist.TCPStore(environment.main_address, 0, is_master=True, wait_for_workers=False)  # noqa: F841
+        store = serve_store(environment.main_address)
         environment._main_port = store.port  # Lightning sets MASTER_PORT from it for the children
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of this store
+        os.environ.update(AGENT_STORE)  # every rank a client of this store
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:  # the next fit/test gets a store of its own; nothing leaks into later runs from this process
             environment._main_port = -1
-            for name in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+            for name in ("MASTER_PORT", *AGENT_STORE):
                 os.environ.pop(name, None)
 
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, *rest, **more) -> None:
