@@ -171,6 +171,17 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(default_run,
     assert not list(tmp_path.glob("logs/**/metrics.csv"))
 
 
+def test_sharded_checkpoint_under_another_strategy_is_refused_before_training(tmp_path):
+    sharded = tmp_path / "last.ckpt"  # what strategy=fsdp writes: a directory (here, a symlink to one)
+    (tmp_path / "last.ckpt.1").mkdir()
+    sharded.symlink_to("last.ckpt.1")
+    proc = train(tmp_path, f"ckpt_path={sharded}", expect_ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: ckpt_path={sharded} is a sharded (fsdp) checkpoint; resume or evaluate it with strategy=fsdp")
+    assert not list(tmp_path.glob("logs/**/metrics.csv"))
+
+
 def test_empty_split_is_refused_before_training(tmp_path):
     proc = train(tmp_path, "data.split=[0.85,0.15,0.0]", expect_ok=False)
     assert proc.returncode == 2 and "error: data.split=[0.85, 0.15, 0.0]: every split needs samples" in proc.stderr

@@ -59,6 +59,10 @@ def prepare(cfg: DictConfig) -> None:
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         path = resolve_ckpt_path(cfg)
+        if path is not None and path.is_dir() and cfg.strategy.name != "fsdp":
+            raise UserError(
+                f"ckpt_path={path} is a sharded (fsdp) checkpoint; resume or evaluate it with strategy=fsdp"
+            )
         cfg.ckpt_path = None if path is None else str(path)
 
 
