@@ -22,6 +22,12 @@ CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
+def on_cpu(overrides) -> list[str]:
+    """CPU-meant runs stay on the CPU on a GPU host too; a test that names an accelerator gets it."""
+    overrides = list(overrides)
+    return overrides if any(o.startswith("accelerator=") for o in overrides) else ["accelerator=cpu", *overrides]
+
+
 if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does
 
@@ -45,7 +51,8 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
     overrides = [o for o in overrides if not o.startswith("-")]
-    command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]
+    command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET,
+               *on_cpu(overrides)]  # fmt: skip
     proc = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )

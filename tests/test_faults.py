@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, read_metrics, run_dirs, train
+from conftest import QUIET, ROOT, on_cpu, read_metrics, run_dirs, train
 from starter.checkpoint_io import AtomicCheckpointIO
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def test_sigkill_during_saving_leaves_a_whole_checkpoint(delay, tmp_path):
 
 
 def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]
+    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(overrides)]
     return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
