@@ -53,12 +53,18 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     overrides = [o for o in overrides if not o.startswith("-")]
     command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET,
                *on_cpu(overrides)]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=with_env(env))
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def with_env(extra: dict | None) -> dict:
+    """This environment plus `extra`; a PYTHONPATH in `extra` goes in front of the one already set."""
+    env = {**os.environ, **(extra or {})}
+    if extra and "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = f"{extra['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
+    return env
 
 
 def run_dirs(tmp_path: Path, task: str = "train") -> list[Path]:
@@ -67,6 +73,22 @@ def run_dirs(tmp_path: Path, task: str = "train") -> list[Path]:
 
 def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
+
+
+class Planted:
+    """A pickled object whose loading would run code (here, a harmless print)."""
+
+    def __reduce__(self):
+        return print, ("CODE FROM THE CHECKPOINT RAN",)
+
+
+def plant(checkpoint_file: Path) -> None:
+    """Add a Planted object to a checkpoint file, as a tampered checkpoint would hold one."""
+    import torch
+
+    checkpoint = torch.load(checkpoint_file, weights_only=False)
+    checkpoint["planted"] = Planted()
+    torch.save(checkpoint, checkpoint_file)
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """Each DataModule against small data written here; sharding and batch-size semantics."""
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -157,3 +159,85 @@ def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
     x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
     assert x.shape == (4, 3, 224, 224)
+
+
+def imagenet_archives(root, classes=("n01440764", "n01443537"), train_per_class=3, val_images=4):
+    """ILSVRC2012 as downloaded, in miniature: the devkit (meta.mat with one non-leaf synset, validation
+    ground truth), a train tar of one tar per class, a flat val tar; returns each validation image's wnid."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+    from scipy.io import savemat
+
+    def jpeg(colour) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (40, 30), colour).save(buffer, "JPEG")
+        return buffer.getvalue()
+
+    def add(archive, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+
+    root.mkdir(parents=True)
+    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children"]
+    synsets = np.array([(i + 1, wnid, f"class {wnid}", "", 0) for i, wnid in enumerate(classes)]
+                       + [(len(classes) + 1, "n00000001", "an inner node", "", 2)],
+                       dtype=[(f, object) for f in fields])  # fmt: skip
+    meta = io.BytesIO()
+    savemat(meta, {"synsets": synsets})
+    truth = [1 + i % len(classes) for i in range(val_images)]
+    with tarfile.open(root / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as devkit:
+        add(devkit, "ILSVRC2012_devkit_t12/data/meta.mat", meta.getvalue())
+        add(devkit, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
+            "".join(f"{t}\n" for t in truth).encode())  # fmt: skip
+    with tarfile.open(root / "ILSVRC2012_img_train.tar", "w") as train:
+        for c, wnid in enumerate(classes):
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as class_tar:
+                for i in range(train_per_class):
+                    add(class_tar, f"{wnid}_{i}.JPEG", jpeg((200 * c, 50, 50)))
+            add(train, f"{wnid}.tar", inner.getvalue())
+    with tarfile.open(root / "ILSVRC2012_img_val.tar", "w") as val:
+        for i in range(val_images):
+            add(val, f"ILSVRC2012_val_{i + 1:08d}.JPEG", jpeg((0, 0, 200)))
+    return [classes[t - 1] for t in truth]
+
+
+def test_imagenet_archives_are_refused_naming_the_command_that_prepares_them_once(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "imagenet"
+    val_wnids = imagenet_archives(root)
+    with pytest.raises(UserError, match=f"holds ILSVRC2012_img_train.tar but no train/ folder; prepare it once with:"
+                                        f" python -m starter.data.imagenet_archives {root}"):  # fmt: skip
+        folder(root, num_classes=2).setup()
+    proc = subprocess.run([sys.executable, "-m", "starter.data.imagenet_archives", str(root)], capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    dm = folder(root, num_classes=2)
+    dm.setup()  # now an ImageFolder tree, as torchvision.datasets.ImageNet lays it out
+    assert dm.train_set.classes == dm.val_set.classes == ["n01440764", "n01443537"] and len(dm.train_set) == 6
+    by_name = sorted(dm.val_set.samples, key=lambda sample: Path(sample[0]).name)  # the devkit's order
+    assert [dm.val_set.classes[label] for _, label in by_name] == val_wnids
+    assert json.loads((root / "synset_names.json").read_text())["n01440764"] == "class n01440764"
+
+
+def test_a_flat_imagenet_val_folder_is_sorted_into_classes_by_the_devkit(tmp_path):
+    import tarfile
+
+    from starter.data.imagenet_archives import extract_train, prepare
+
+    root = tmp_path / "imagenet"
+    val_wnids = imagenet_archives(root)
+    extract_train(root / "ILSVRC2012_img_train.tar", root / "train")  # a train/ tree of class folders
+    with tarfile.open(root / "ILSVRC2012_img_val.tar") as archive:  # next to val/ extracted by hand, flat
+        archive.extractall(root / "val", filter="data")
+    with pytest.raises(UserError, match=f"{root / 'val'} holds images without class folders; prepare it once"):
+        folder(root, num_classes=2).setup()
+    prepare(root)
+    labelled = sorted((p.name, p.parent.name) for p in (root / "val").rglob("*.JPEG"))
+    assert [wnid for _, wnid in labelled] == val_wnids

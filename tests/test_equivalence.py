@@ -5,7 +5,7 @@ import csv
 import pytest
 import torch
 
-from conftest import read_metrics, run_dirs, train
+from conftest import ROOT, read_metrics, run_dirs, train
 
 pytestmark = pytest.mark.slow
 # 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, on CPU in fp32.
@@ -83,14 +83,52 @@ def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, 
     assert abs(metrics["test/loss"] - single_eval["test/loss"]) <= 1e-6
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ddp"])
-def test_resuming_after_one_epoch_gives_the_weights_of_two_straight_epochs(strategy, tmp_path):
-    common = [f"strategy={strategy}", f"devices={1 if strategy == 'auto' else 2}", "accelerator=cpu",
-              "debug=limit", "model.scheduler.T_max=2", "trainer.log_every_n_steps=1"]  # fmt: skip
-    straight = weights(tmp_path / "straight", *common, "trainer.max_epochs=2")
-    train(tmp_path / "first", *common, "trainer.max_epochs=1")
+# 3 epochs of 8 batches = 24 steps; stopped by SIGTERM after step 11 (epoch 1, batch 3), then the same command
+# again in the same directory, as a requeued job runs it.
+RESUME = ["accelerator=cpu", "trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
+          "test=false", "trainer.log_every_n_steps=1"]  # fmt: skip
+PROBES = {"PYTHONPATH": str(ROOT / "tests")}
+
+
+def ranks(strategy: str) -> list[str]:
+    return [f"strategy={strategy}", f"devices={1 if strategy == 'auto' else 2}"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted runs, one process and ddp on 2."""
+    return {s: weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
+
+
+@pytest.mark.parametrize("strategy,workers", [("auto", 0), ("auto", 2), ("ddp", 0), ("ddp", 2)])
+def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(strategy, workers,
+                                                                                         straight, tmp_path):  # fmt: skip
+    again = [*RESUME, *ranks(strategy), f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}",
+             "ckpt_path=auto"]  # fmt: skip
+    stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
+                    env=PROBES, expect_ok=False)  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    train(tmp_path, *again)
+    resumed = torch.load(tmp_path / "run" / "checkpoints" / "model.pt", weights_only=True)
+    assert all(torch.equal(straight[strategy][k], resumed[k]) for k in resumed)  # bit for bit
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:  # every step trained once, none twice
+        assert sorted(int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]) == list(range(24))
+
+
+def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_it(tmp_path):
+    # T_max follows trainer.max_epochs: a 1-epoch cosine schedule ends at lr 0, and kept as saved, a second
+    # epoch would not move the weights at all.
+    common = ["accelerator=cpu", "debug=limit", "test=false"]
+    first = weights(tmp_path / "first", *common, "trainer.max_epochs=1")
     last = run_dirs(tmp_path / "first")[0] / "checkpoints" / "last.ckpt"
-    resumed = weights(tmp_path / "resumed", *common, "trainer.max_epochs=2", f"ckpt_path={last}")
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # bit for bit
-    with open(run_dirs(tmp_path / "resumed")[0] / "metrics.csv", newline="") as f:
-        assert {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]} == {"1"}
+    outputs = {}
+    for mode in ("replan", "saved"):
+        proc = train(tmp_path / mode, *common, "trainer.max_epochs=2", f"ckpt_path={last}", f"resume_lr_schedule={mode}")
+        outputs[mode] = (proc.stdout + proc.stderr, torch.load(run_dirs(tmp_path / mode)[0] / "checkpoints" / "model.pt"))
+    said, replanned = outputs["replan"]
+    assert "resumed lr schedule re-planned from the config (T_max: 1 -> 2), lr now 0.001;" in said
+    assert "resume_lr_schedule=saved keeps the checkpoint's" in said
+    assert max_difference(first, replanned) > 1e-3  # trained at lr 0.001 (half of 0.002, cosine over 2 epochs)
+    said, kept = outputs["saved"]
+    assert "resumed lr schedule continues as saved (the config now says T_max: 1 -> 2);" in said
+    assert max_difference(first, kept) == 0.0  # lr 0, as the saved schedule says

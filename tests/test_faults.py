@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, on_cpu, read_metrics, run_dirs, train
+from conftest import QUIET, ROOT, on_cpu, plant, read_metrics, run_dirs, train
 from starter.checkpoint_io import AtomicCheckpointIO
 
 pytestmark = pytest.mark.slow
@@ -149,13 +149,6 @@ def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):
         assert proc.returncode == 0, proc.stderr.read()[-2000:]
 
 
-def test_several_nodes_without_a_master_port_is_one_clear_error(tmp_path, monkeypatch):
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    proc = train(tmp_path, "strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu", expect_ok=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "error: num_nodes > 1: set MASTER_ADDR and MASTER_PORT (the same on every node)"
-
-
 def test_nan_loss_stops_with_the_step_and_keeps_no_bad_checkpoint(tmp_path):
     proc = train(tmp_path, "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=1e30", expect_ok=False)
     assert proc.returncode == 2
@@ -169,6 +162,17 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(default_run,
     proc = train(tmp_path, "model=cnn", f"ckpt_path={best}", expect_ok=False)
     assert proc.returncode == 2 and "holds weights of a different model" in proc.stderr
     assert not list(tmp_path.glob("logs/**/metrics.csv"))
+
+
+def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line(default_run, tmp_path):
+    planted = tmp_path / "planted.ckpt"
+    planted.write_bytes((default_run[1] / "checkpoints" / "best.ckpt").read_bytes())
+    plant(planted)
+    proc = train(tmp_path, "train=false", f"ckpt_path={planted}", expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: ckpt_path={planted} holds pickled objects besides tensors (")
+    assert line.endswith("refused: loading it could run code. Load only checkpoints written by this starter")
 
 
 def test_sharded_checkpoint_under_another_strategy_is_refused_before_training(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import read_metrics, run_dirs, train
+from conftest import ROOT, plant, read_metrics, run_dirs, train
 from starter.strategies.fsdp import point_atomically, sharding_units
 
 pytestmark = pytest.mark.slow
@@ -80,6 +80,39 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
     (resumed,) = run_dirs(tmp_path)
     with open(resumed / "metrics.csv", newline="") as f:
         assert {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]} == {"4"}  # epochs 0-3 restored
+
+
+def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself(short_runs, tmp_path):
+    import shutil
+
+    planted = tmp_path / "planted.ckpt"  # a directory: the single-file pre-check does not read it, Lightning's load does
+    shutil.copytree((short_runs["fsdp"] / "checkpoints" / "last.ckpt").resolve(), planted)
+    plant(planted / "meta.pt")
+    proc = train(tmp_path, "strategy=fsdp", "train=false", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds pickled objects besides tensors" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_fsdp_with_channels_last_runs_a_conv_net_on_nhwc_activations(tmp_path):
+    # FSDP2 refuses non-contiguous (channels_last) parameters: the inputs are made channels_last instead.
+    probe = tmp_path / "probe"
+    train(tmp_path, "strategy=fsdp", "model=cnn", "channels_last=true", *SHORT[:2], "debug=limit",
+          "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
+          f"+callbacks.probe.output={probe}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]
+
+
+def test_cpu_offload_keeps_metric_states_and_buffers_with_the_batch_and_parameters_where_fsdp_puts_them():
+    from starter.models.classifier import Classifier
+    from starter.models.nets.resnet import ResNet
+    from starter.strategies.fsdp import move_state_but_parameters
+
+    model = Classifier(ResNet(18, 10), 10, optimizer=torch.optim.SGD)
+    move_state_but_parameters(model, torch.device("meta"))  # "meta" stands for the GPU of a GPU host
+    assert model.val_acc.tp.device.type == model.test_loss.mean_value.device.type == "meta"
+    assert model.net.model.bn1.running_mean.device.type == "meta"
+    assert all(p.device.type == "cpu" for p in model.parameters())
 
 
 def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):

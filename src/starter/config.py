@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from starter.errors import UserError
 
@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 MULTI_PROCESS_LAUNCHERS = ("subprocess", "spawn")
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -26,14 +27,37 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def device_count(devices) -> int:
+    """Processes per node for `devices` once settled by `prepare`: a count, or a list of GPU indices."""
     if isinstance(devices, int) and not isinstance(devices, bool):
         return devices
-    if isinstance(devices, str) and devices.isdigit():
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
         return int(devices)
-    try:
-        return len(devices)  # a list of device indices
-    except TypeError:
-        raise UserError(f"devices={devices!r}: give a number of devices per node, e.g. devices=2") from None
+    if isinstance(devices, (list, tuple, ListConfig)):
+        return len(devices)
+    raise UserError(f"devices={devices!r}: give a number per node (devices=2), a list of GPUs (devices=[0,2]) or auto")
+
+
+def external_launcher(cfg: DictConfig) -> str | None:
+    """Who started every rank of this run already: "torchrun", "slurm" (one task per rank), or None (nobody:
+    one process, or our launcher starts the workers; then SLURM's variables must not decide the ranks)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    tasks = slurm_tasks()
+    if tasks <= 1:
+        return None
+    if tasks != world_size(cfg):
+        raise UserError(
+            f"SLURM started {tasks} tasks but devices x num_nodes = {world_size(cfg)}; ask SLURM for one task per"
+            f" device (--ntasks-per-node=<devices>), or for one task (--ntasks=1) and let train.py start the workers"
+        )
+    return "slurm"
+
+
+def slurm_tasks() -> int:
+    """SLURM_NTASKS of an `srun` step; 0 outside SLURM and in an interactive shell (Lightning's own rule)."""
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return 0
+    return int(os.environ.get("SLURM_NTASKS", 0))
 
 
 def per_process_batch_size(global_batch_size: int, world: int) -> int:
@@ -48,14 +72,15 @@ def per_process_batch_size(global_batch_size: int, world: int) -> int:
 def prepare(cfg: DictConfig) -> None:
     """Validate `cfg` and settle, in place, what must be fixed before launch (precision on CPU, `ckpt_path=last`)."""
     _adopt_torchrun_sizes(cfg)
+    if str(cfg.precision) not in PRECISIONS:
+        raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
+    _settle_accelerator_and_devices(cfg)
     devices = device_count(cfg.devices)
     if devices < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
-    if str(cfg.precision) not in PRECISIONS:
-        raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
-    _check_accelerator(cfg, devices)
     _check_strategy(cfg, devices)
     per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
+    _check_nodes(cfg)
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         path = resolve_ckpt_path(cfg)
@@ -84,23 +109,61 @@ def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
 
 
 def cuda_device_count() -> int:
-    import torch  # only here: the one check that needs it
+    """GPUs that torch sees; 0 without importing torch (about 2 s) on a machine with no GPU driver at all."""
+    if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):  # NVIDIA, AMD (ROCm)
+        return 0
+    import torch
 
     return torch.cuda.device_count()
 
 
 def runs_on_cpu(cfg: DictConfig) -> bool:
-    return cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and cuda_device_count() == 0)
+    return cfg.accelerator == "cpu"
 
 
-def _check_accelerator(cfg: DictConfig, devices: int) -> None:
-    if cfg.accelerator not in ("gpu", "cuda"):
-        return
-    available = cuda_device_count()
-    if available == 0:
+def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
+    """Decide `accelerator=auto` and `devices=auto|-1|[i, ...]` here, once, so every worker gets plain values
+    and a device that does not exist is one line here rather than an exception in each worker."""
+    if cfg.accelerator not in ACCELERATORS:
+        raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
+    gpus = cuda_device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
+    if cfg.accelerator == "auto":
+        cfg.accelerator = "gpu" if gpus else "cpu"
+    if cfg.accelerator in ("gpu", "cuda") and gpus == 0:
         raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
-    if devices > available:
-        raise UserError(f"devices={devices}: this machine has {available} CUDA GPU(s); use devices={available}")
+    on_gpu, devices = cfg.accelerator in ("gpu", "cuda"), cfg.devices
+    if devices in ("auto", -1, "-1"):
+        cfg.devices = gpus if on_gpu else 1
+        log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
+    elif isinstance(devices, (list, tuple, ListConfig)):
+        if not on_gpu:
+            raise UserError(f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}")
+        if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
+            raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
+    elif on_gpu and device_count(devices) > gpus:
+        raise UserError(
+            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
+            f" (or accelerator=cpu for {devices} CPU processes)"
+        )
+
+
+def _check_nodes(cfg: DictConfig) -> None:
+    """Our launcher on several nodes needs the rendezvous address on every node: say so before anything waits."""
+    if cfg.strategy.get("launcher") not in MULTI_PROCESS_LAUNCHERS or external_launcher(cfg):
+        return
+    nodes = int(cfg.num_nodes)
+    if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
+        raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
+    if nodes == 1:
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not os.environ.get(name)]
+    if missing:
+        raise UserError(
+            f"num_nodes={nodes}: set {', '.join(missing)} on every node (MASTER_ADDR and MASTER_PORT the same"
+            f" everywhere, NODE_RANK 0 to {nodes - 1})"
+        )
+    if not 0 <= int(os.environ["NODE_RANK"]) < nodes:
+        raise UserError(f"NODE_RANK={os.environ['NODE_RANK']}: with num_nodes={nodes} it must be 0 to {nodes - 1}")
 
 
 def _check_strategy(cfg: DictConfig, devices: int) -> None:
@@ -117,6 +180,11 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
             raise UserError(
                 f"strategy=dp splits each batch over CUDA GPUs and this run is on CPU; "
                 f"use strategy=ddp devices={devices} for {devices} CPU processes"
+            )
+        if cfg.get("compile"):
+            raise UserError(
+                "compile=true with strategy=dp: DataParallel copies the module for every step, which torch.compile"
+                " cannot follow; use strategy=ddp (or strategy=auto on one device)"
             )
         if devices == 1:
             log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")

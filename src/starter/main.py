@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,11 +21,11 @@ def main(cfg: DictConfig) -> float | None:
         prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / "config.yaml"
-        OmegaConf.save(cfg, config_path, resolve=True)  # workers and readers get plain values, no resolvers
+        config_path = save_resolved(cfg, run_dir / "config.yaml")
         if needs_launch(cfg):
             launch_workers(config_path, cfg)
-            metrics = json.loads((run_dir / "metrics.json").read_text())
+            # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
+            metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
         else:
             from starter.run import run
 
@@ -37,3 +38,16 @@ def main(cfg: DictConfig) -> float | None:
             print(f"error: {err}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
     return metrics.get(cfg.optimized_metric)
+
+
+def save_resolved(cfg: DictConfig, path: Path) -> Path:
+    """Plain values, no resolvers, for the workers and for readers. Written to a temporary file and renamed:
+    on a shared file system every node's job writes the same file while other nodes' workers may read it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    OmegaConf.save(cfg, temporary, resolve=True)
+    os.replace(temporary, path)
+    return path
+
+
+def _node_rank() -> int:
+    return int(os.environ.get("NODE_RANK", 0))

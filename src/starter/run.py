@@ -2,8 +2,10 @@
 
 import logging
 import os
+import pickle
 import re
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -13,6 +15,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from starter.callbacks.compile import CompileModule
+from starter.callbacks.resume_schedule import ResumeSchedule
+from starter.config import external_launcher
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.export import save_full_weights
 from starter.report import write_run_outputs
@@ -33,23 +38,24 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule = build(cfg.data)
     model = build(cfg.model)
     if cfg.get("channels_last"):
-        model = model.to(memory_format=torch.channels_last)
-    if cfg.get("compile"):
-        model.compile()  # in place: the module, its state dict and checkpoints keep their names
+        use_channels_last(model, weights=cfg.strategy.name != "fsdp")
     trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
-        callbacks=[build(c) for c in cfg.callbacks.values()],
+        callbacks=[build(c) for c in cfg.callbacks.values()] + built_in_callbacks(cfg),
         logger=[build(lg) for lg in cfg.logger.values()] or False,
+        plugins=[build(p) for p in cfg.trainer.get("plugins") or []] + cluster_environment(cfg),
     )
     if cfg.ckpt_path:
         check_checkpoint_fits(model, Path(cfg.ckpt_path))
     metrics: dict[str, float] = {}
     if cfg.train:
         try:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            with refusing_pickled_code(cfg.ckpt_path):
+                trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         except SIGTERMException:
-            log.warning("stopped by SIGTERM at step %d; resume with ckpt_path=last", trainer.global_step)
+            if trainer.is_global_zero:
+                log.warning("stopped by SIGTERM at step %d; resume with ckpt_path=last", trainer.global_step)
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt")
@@ -59,7 +65,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
             ckpt_path = best[0] if best else None  # no best checkpoint (callbacks=none, fast_dev_run): final weights
         else:
             ckpt_path = cfg.ckpt_path
-        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        with refusing_pickled_code(ckpt_path):
+            trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
         write_run_outputs(Path(cfg.paths.output_dir), metrics)
@@ -96,14 +103,60 @@ def build(node, **kwargs):
         raise
 
 
+def built_in_callbacks(cfg: DictConfig) -> list:
+    """What top-level keys ask for: the resumed lr schedule (always), torch.compile in the training process."""
+    compiling = [CompileModule(**cfg.get("compile_options", {}))] if cfg.get("compile") else []
+    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), *compiling]
+
+
+def cluster_environment(cfg: DictConfig) -> list:
+    """Where this process's rank comes from. Lightning reads torchrun's or SLURM's variables when they started
+    every rank; otherwise the ranks are ours (our launcher's workers, ddp_spawn, one process), also inside a SLURM
+    job of fewer tasks, whose SLURM_PROCID would make every worker rank 0 of a world of 1."""
+    if external_launcher(cfg):
+        return []
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    return [LightningEnvironment()]
+
+
+def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
+    """NHWC activations: every conv layer gets its input as channels_last (a no-op when it already is), and
+    the conv weights too where the strategy allows it (FSDP2 shards only contiguous parameters)."""
+    if weights:
+        model.to(memory_format=torch.channels_last)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            module.register_forward_pre_hook(_channels_last_input)
+
+
+def _channels_last_input(conv, args):
+    return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+
+
+@contextmanager
+def refusing_pickled_code(path):
+    """Checkpoints load weights-only: one that holds a pickled object (code that would run) is refused in one line."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"ckpt_path={path} holds pickled objects besides tensors ({str(err).splitlines()[0][:120]}...);"
+            " refused: loading it could run code. Load only checkpoints written by this starter"
+        ) from None
+
+
 def check_checkpoint_fits(model, path: Path) -> None:
     """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size)."""
     if path.is_dir():
         return  # a sharded (fsdp) checkpoint: torch.distributed.checkpoint reports mismatches itself on load
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+        with refusing_pickled_code(path):
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+    except UserError:
+        raise
     except Exception as err:
-        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {err}") from err
+        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {str(err).splitlines()[0]}") from err
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in saved.items()}
     if expected != found:

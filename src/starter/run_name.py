@@ -1,26 +1,54 @@
-"""The `run_name` config resolver: the time-stamped name of this run's directory.
+"""The `run_name` config resolver: the name of this run's directory, the same in every process of the run.
 
-Under torchrun (or two torchrun "nodes"), every rank runs train.py and composes its own config; rank 0's name
-is shared with the others through torchrun's own key-value store, so all ranks write into one directory.
+A time stamp, except where several processes each compose the config and must agree on one directory:
+- torchrun: rank 0's stamp, shared through torchrun's own key-value store;
+- our launcher on several nodes (NODE_RANK, MASTER_ADDR, MASTER_PORT set, num_nodes > 1): node 0's job serves a
+  store at MASTER_PORT for the whole run and shares its stamp; every node's workers then use that store for
+  their rendezvous (torch's agent-store contract, as under torchrun; strategies/launch.py);
+- SLURM tasks started by `srun` (one per rank): `slurm-<job id>.<step id>`, which every task knows; a
+  requeued job keeps its job id, so `ckpt_path=auto` finds its own directory again.
 """
 
 import os
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cache
+
+from starter.config import slurm_tasks
+
+KEY = "starter/run_name"
+_shared_store = None  # the store of a several-node launch, held (node 0: served) for as long as this job runs
+
+
+def shared_store():
+    """The store this job shares with the other nodes' jobs, or None."""
+    return _shared_store
 
 
 @cache  # one name per process, however often Hydra resolves the run directory
-def run_name() -> str:
+def run_name(num_nodes: int = 1) -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
-    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return stamp
-    from datetime import timedelta
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return stamp
+        key = f"{KEY}/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        return _share(stamp, key, serve=False, first=int(os.environ["RANK"]) == 0)
+    if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
+    if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
+        node_zero = int(os.environ["NODE_RANK"]) == 0
+        return _share(stamp, KEY, serve=node_zero, first=node_zero)
+    return stamp  # anything missing for several nodes is reported in one line by config.prepare
 
-    from torch.distributed import TCPStore  # only under torchrun
 
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=timedelta(seconds=120))  # fmt: skip
-    key = f"starter/run_name/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    if int(os.environ["RANK"]) == 0:
+def _share(stamp: str, key: str, serve: bool, first: bool) -> str:
+    """`first` writes its stamp into the store at MASTER_ADDR:MASTER_PORT (served here if `serve`); all read it."""
+    global _shared_store
+    from torch.distributed import TCPStore  # only when several processes must agree
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=serve,
+                     wait_for_workers=False, timeout=timedelta(seconds=300))  # fmt: skip
+    if first:
         store.set(key, stamp)
-    return store.get(key).decode()  # waits for rank 0
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        _shared_store = store  # served by node 0; the other nodes' jobs (and all workers) are its clients
+    return store.get(key).decode()  # waits for the first

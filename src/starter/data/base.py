@@ -6,6 +6,7 @@ union of the ranks' batches at step k is exactly the single-process batch k: cha
 change the optimisation. Evaluation splits the data without padding (UnrepeatedDistributedSampler), so no
 sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
 sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
+A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py).
 """
 
 import lightning as L
@@ -14,6 +15,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from starter.config import per_process_batch_size
+from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.errors import UserError
 
 
@@ -55,20 +57,23 @@ class ShardedDataModule(L.LightningDataModule):
             raise UserError(f"the {split} split is empty; give it samples (for digits: data.split)")
         if len(dataset) < world:
             raise UserError(f"the {split} split has {len(dataset)} samples, fewer than the {world} processes")
-        train = split == "train"
-        if train:
-            sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
-        else:
-            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        batches = BatchSampler(sampler, per_process_batch_size(self.batch_size, world), drop_last=train)
-        return DataLoader(
-            dataset,
-            batch_sampler=batches,
+        batch_size = per_process_batch_size(self.batch_size, world)
+        options = dict(
             collate_fn=getattr(dataset, "collate_fn", None),  # a data set may batch itself (TensorPairs)
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),  # else torch warns on every loader
             persistent_workers=self.persistent_workers,
         )
+        if split == "train":
+            sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
+            batches = ResumableBatches(sampler, batch_size, drop_last=True)
+            return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
+        sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last=False), **options)
+
+    def _training_progress(self) -> tuple[int, int]:
+        """(batches trained in this epoch, batches an epoch trains), for resuming mid-epoch."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed, self.trainer.num_training_batches
 
     def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
         if tuple(shape) != self.image_shape or num_classes != self.num_classes:

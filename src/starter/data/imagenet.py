@@ -1,4 +1,5 @@
 """An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
+ImageNet's own archives are turned into that tree once by data/imagenet_archives.py (the error says so).
 
 Train: RandomResizedCrop, horizontal flip, normalise. Val (also the test split): resize to 256/224 of the
 crop, centre crop, normalise. An unreadable image stops the run with an error that names the file, or, with
@@ -15,6 +16,7 @@ from torch.utils.data import default_collate
 from torchvision.datasets import ImageFolder
 
 from starter.data.base import ShardedDataModule
+from starter.data.imagenet_archives import COMMAND, needs_preparing
 from starter.errors import UserError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -95,6 +97,8 @@ class ImageFolderDataModule(ShardedDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        if reason := needs_preparing(self.root):
+            raise UserError(f"{reason}; prepare it once with: {COMMAND} {self.root}")
         train, val = self._folder("train", train=True), self._folder("val", train=False)
         if train.classes != val.classes:
             only_train = sorted(set(train.classes) - set(val.classes))

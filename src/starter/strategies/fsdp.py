@@ -66,6 +66,17 @@ def apply_fsdp(module: nn.Module, mesh, units: list[nn.Module], reshard_after_fo
             fully_shard(child, **kwargs)
 
 
+def move_state_but_parameters(module: nn.Module, device) -> None:
+    """Every tensor but the parameters to `device`: buffers, and the states of parameter-free submodules such as
+    torchmetrics metrics. With CPU offload the parameter shards stay in CPU memory (FSDP2 places them)."""
+    for submodule in module.modules():
+        if next(submodule.parameters(), None) is None:
+            submodule.to(device)
+        else:
+            for name, buffer in submodule.named_buffers(recurse=False):
+                setattr(submodule, name, buffer.to(device))
+
+
 class FSDP2Strategy(ModelParallelStrategy):
     strategy_name = "fsdp"
 
@@ -95,7 +106,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        if not self.cpu_offload:
+        if self.cpu_offload:
+            move_state_but_parameters(self.model, self.root_device)  # metrics, buffers: where the batch is
+        else:
             self.model_to_device()
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):  # fit, then test: shard once
             units = sharding_units(self.model, self.unit_names)

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from starter.config import device_count, world_size
-from starter.errors import PREEMPTED_EXIT_CODE, UserError
+from starter.config import device_count, external_launcher, world_size
+from starter.errors import PREEMPTED_EXIT_CODE
+from starter.run_name import shared_store
 
 
 PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
@@ -44,13 +45,12 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def processes_exist() -> bool:
-    """torchrun (LOCAL_RANK) or SLURM with one task per device (SLURM_NTASKS > 1) started every rank already."""
-    return "LOCAL_RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-
-
 def needs_launch(cfg: DictConfig) -> bool:
-    return cfg.strategy.get("launcher") == "subprocess" and world_size(cfg) > 1 and not processes_exist()
+    """Whether this job starts the workers: a multi-process strategy that torchrun or SLURM did not start
+    (LOCAL_RANK set by any other launcher also means the ranks exist)."""
+    if cfg.strategy.get("launcher") != "subprocess" or world_size(cfg) == 1 or "LOCAL_RANK" in os.environ:
+        return False
+    return external_launcher(cfg) is None
 
 
 def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) -> None:
@@ -65,10 +65,10 @@ def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) ->
     command = [sys.executable, "-m", "starter.worker", str(config_path)]
     ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]
     port_pipe = None
-    if os.environ.get("MASTER_PORT"):  # chosen by the user (several nodes): rank 0 serves the store there
+    if shared_store() is not None:  # several nodes: node 0's job serves the store at MASTER_PORT (run_name.py)
+        procs = [subprocess.Popen(command, env=dict(rank_env, **AGENT_STORE)) for rank_env in ranks]
+    elif os.environ.get("MASTER_PORT"):  # chosen by the user: rank 0 serves the store there
         procs = [subprocess.Popen(command, env=rank_env) for rank_env in ranks]
-    elif int(cfg.num_nodes) > 1:
-        raise UserError("num_nodes > 1: set MASTER_ADDR and MASTER_PORT (the same on every node)")
     else:
         procs, port_pipe = _start_with_held_port(command, ranks)
     # A scheduler's SIGTERM (preemption) goes to every worker, which saves and exits; we then wait for them.

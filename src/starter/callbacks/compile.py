@@ -1,0 +1,20 @@
+"""`compile=true`: torch.compile the LightningModule's forward in the process that trains.
+
+Applied when Lightning sets the run up, which happens in every rank: after ddp_spawn has started its
+processes (a compiled module cannot be pickled to them) and before a strategy wraps or shards the module.
+In place (`nn.Module.compile`), so parameter names, state dicts and checkpoints stay those of the plain module.
+"""
+
+import lightning as L
+
+
+class CompileModule(L.Callback):
+    def __init__(self, **options):
+        """`options`: torch.compile's keyword arguments (`compile_options` in the config), e.g. mode, backend."""
+        self.options = options
+        self.compiled = False  # per process: fit then test in one process compiles once
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.compiled:
+            pl_module.compile(**self.options)
+            self.compiled = True

@@ -1,0 +1,39 @@
+"""A training DataLoader that a run stopped mid-epoch resumes exactly where it stopped.
+
+The training order is one seeded permutation per epoch (DistributedSampler), so the loader's whole state is a
+position: (epoch, batches already trained in it). Lightning saves `state_dict()` in every checkpoint and calls
+`load_state_dict()` before it creates the first iterator of a resumed fit; the next epoch's iterator then skips
+the batches already trained (their indices only: nothing is loaded for them). The number trained comes from
+the trainer's progress, not from the loader: DataLoader workers fetch ahead of training.
+"""
+
+import itertools
+from collections.abc import Callable
+
+from torch.utils.data import BatchSampler, DataLoader
+
+
+class ResumableBatches(BatchSampler):
+    """Batches of the sampler's permutation for its epoch, the first `skip` left out once (after a resume)."""
+
+    skip = 0
+
+    def __iter__(self):  # a generator: the sampler's epoch is read when the first batch is drawn
+        skip, self.skip = self.skip, 0
+        yield from itertools.islice(super().__iter__(), skip, None)
+
+
+class ResumableLoader(DataLoader):
+    def __init__(self, *args, progress: Callable[[], tuple[int, int]], **kwargs):
+        """`progress()` gives (batches trained in this epoch, batches an epoch trains) from the trainer."""
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, (done, per_epoch) = self.batch_sampler.sampler.epoch, self.progress()
+        return {"epoch": epoch + 1, "batches": 0} if done >= per_epoch else {"epoch": epoch, "batches": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # Lightning creates the iterator before it sets the sampler's epoch (workers fetch indices at once)
+        self.batch_sampler.sampler.set_epoch(state["epoch"])
+        self.batch_sampler.skip = state["batches"]

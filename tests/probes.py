@@ -1,0 +1,55 @@
+"""Callbacks that tests add to a run (`+callbacks.x._target_=probes.X`); importable by every process of the run
+because the tests put this folder on PYTHONPATH."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+
+
+class SigtermAtStep(L.Callback):
+    """Sends SIGTERM to this process after training step `step`, as a scheduler's preemption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class RecordCompiledGraphs(L.Callback):
+    """Writes `<output>/rank<r>.json`: the graphs torch.compile made in this process by the end of training."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from torch._dynamo.utils import counters
+
+        self.output.mkdir(parents=True, exist_ok=True)
+        figures = {"pid": os.getpid(), "parent": os.getppid(), "graphs": counters["stats"]["unique_graphs"]}
+        (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
+
+
+class RecordConvInputLayout(L.Callback):
+    """Writes `<output>/rank<r>.txt`: the memory format of the last Conv2d's input in a training step (the
+    first one's input may have one channel, for which both formats are the same)."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+        self.hook = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch
+
+        def record(module, args):
+            layout = "channels_last" if args[0].is_contiguous(memory_format=torch.channels_last) else "contiguous"
+            self.output.mkdir(parents=True, exist_ok=True)
+            (self.output / f"rank{trainer.global_rank}.txt").write_text(layout)
+            self.hook.remove()
+
+        conv = [m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+        self.hook = conv.register_forward_pre_hook(record)

@@ -1,0 +1,181 @@
+"""Who starts the processes (DESIGN.md), simulated on CPU: SLURM allocations, several nodes on localhost, a
+machine that reports CUDA GPUs (a faked count for the decisions taken before launch)."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import QUIET, ROOT, compose_config, read_metrics, run_dirs, train
+from starter.config import prepare
+from starter.errors import UserError
+
+SHORT = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=1", "test=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
+    """The variables SLURM gives task `rank` of an `srun` step with `tasks` tasks on one node."""
+    return {"SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks), "SLURM_NNODES": "1",
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_one_task_slurm_job_gets_two_distinct_ranks_from_our_launcher(tmp_path):
+    # sbatch --ntasks=1, then `python train.py strategy=ddp devices=2`: the workers inherit SLURM's variables;
+    # Lightning would read SLURM_PROCID=0 in both and train two unrelated copies, each rank 0 of a world of 1.
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "callbacks=state_bytes", *SHORT, env=slurm_env(1))
+    (run_dir,) = run_dirs(tmp_path)
+    assert sorted(p.name for p in (run_dir / "state_bytes").iterdir()) == ["rank0.json", "rank1.json"]
+    out = proc.stdout + proc.stderr
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in out and "GLOBAL_RANK: 1, MEMBER: 2/2" in out  # one group of 2
+
+
+def start_all(commands_envs, tmp_path):
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for command, env in commands_envs]  # fmt: skip
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return outputs
+
+
+@pytest.mark.slow
+def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
+    import os
+
+    port = free_port()
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "callbacks=state_bytes",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *SHORT]  # fmt: skip
+    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **slurm_env(2, rank)) for rank in (0, 1)]
+    outputs = start_all([(command, env) for env in envs], tmp_path)
+    (run_dir,) = run_dirs(tmp_path)  # each task composed the config; both named the run after the job step
+    assert run_dir.name == "slurm-4242.0" and (run_dir / "metrics.json").is_file()
+    assert sorted(p.name for p in (run_dir / "state_bytes").iterdir()) == ["rank0.json", "rank1.json"]
+    tables = [re.search(r"^metric +value$", out, re.MULTILINE) is not None for out, _ in outputs]
+    assert tables == [True, False]  # rank 0 reports
+
+
+@pytest.mark.slow
+def test_two_nodes_of_our_launcher_exit_0_into_one_run_directory_like_one_process(default_run, tmp_path):
+    import os
+
+    port = free_port()
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2",
+               "accelerator=cpu", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)]
+    start_all([(command, env) for env in envs], tmp_path)  # node 1 first: it waits for node 0's store
+    (run_dir,) = run_dirs(tmp_path)  # node 0 named the run and told node 1
+    single, two_nodes = read_metrics(default_run[1]), read_metrics(run_dir)
+    assert abs(two_nodes["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9  # float summation order only
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({}, "num_nodes=2: set MASTER_ADDR, MASTER_PORT, NODE_RANK on every node"),
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "num_nodes=2: set NODE_RANK on every node"),
+        ({"MASTER_PORT": "29500", "NODE_RANK": "0"}, "MASTER_PORT is set but MASTER_ADDR is not"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "1", "NODE_RANK": "2"}, "NODE_RANK=2: with num_nodes=2 it must be 0 to 1"),
+    ],
+)
+def test_several_nodes_without_their_rendezvous_variables_is_one_line_before_any_wait(env, message, tmp_path,
+                                                                                      monkeypatch):  # fmt: skip
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=message):
+        prepare(compose_config(["strategy=ddp", "devices=2", "num_nodes=2", "accelerator=cpu"], tmp_path))
+
+
+def test_srun_with_another_task_count_than_devices_is_refused(tmp_path, monkeypatch):
+    for name, value in slurm_env(3).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match="SLURM started 3 tasks but devices x num_nodes = 2"):
+        prepare(compose_config(["strategy=ddp", "devices=2", "accelerator=cpu"], tmp_path))
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Make the decisions taken before launch see `n` CUDA GPUs."""
+
+    def machine_with(n: int):
+        monkeypatch.setattr("starter.config.cuda_device_count", lambda: n)
+
+    return machine_with
+
+
+def settled(overrides, tmp_path):
+    cfg = compose_config(overrides, tmp_path)
+    prepare(cfg)
+    return cfg
+
+
+def test_devices_auto_is_every_gpu_or_one_cpu_process(gpus, tmp_path):
+    gpus(4)
+    cfg = settled(["strategy=ddp", "devices=auto"], tmp_path)
+    assert (cfg.accelerator, cfg.devices) == ("gpu", 4)
+    gpus(0)
+    cfg = settled(["strategy=ddp", "devices=auto"], tmp_path)
+    assert (cfg.accelerator, cfg.devices) == ("cpu", 1)
+    gpus(2)
+    assert settled(["strategy=ddp", "devices=-1", "accelerator=cpu"], tmp_path).devices == 1
+
+
+@pytest.mark.slow
+def test_devices_auto_runs_as_one_cpu_process(tmp_path):
+    proc = train(tmp_path, "strategy=ddp", "devices=auto", *SHORT)  # was len("auto") == 4 processes, then an IndexError
+    (run_dir,) = run_dirs(tmp_path)
+    assert "devices: 1\n" in (run_dir / "config.yaml").read_text() and "Traceback" not in proc.stderr
+
+
+def test_devices_list_picks_gpus_by_index(gpus, tmp_path):
+    gpus(4)
+    cfg = settled(["strategy=ddp", "devices=[0,2]"], tmp_path)
+    assert list(cfg.devices) == [0, 2] and cfg.data.batch_size % 2 == 0
+    with pytest.raises(UserError, match=r"devices=\[0, 4\]: this machine has GPUs 0 to 3"):
+        settled(["strategy=ddp", "devices=[0,4]"], tmp_path)
+    with pytest.raises(UserError, match=r"devices=\[0, 1\] picks GPUs by index; on CPU give a count, e.g. devices=2"):
+        settled(["strategy=ddp", "devices=[0,1]", "accelerator=cpu"], tmp_path)
+
+
+def test_auto_accelerator_with_more_devices_than_gpus_is_one_line(gpus, tmp_path):
+    gpus(1)  # strategy=ddp devices=2 on a one-GPU host: each worker used to raise Lightning's multi-line error
+    with pytest.raises(UserError, match=r"devices=2: this machine has 1 CUDA GPU\(s\); use devices=1 \(or accelerator=cpu"):
+        settled(["strategy=ddp", "devices=2"], tmp_path)
+
+
+def test_local_launcher_lets_each_job_see_its_gpus(tmp_path):
+    cfg = compose_config(["launcher=local", "strategy=ddp", "devices=2"], tmp_path, keep_hydra=True)
+    assert cfg.hydra.launcher.gpus_per_node == 2  # submitit sets CUDA_VISIBLE_DEVICES to that many (0 hid all)
+
+
+def test_dp_with_compile_is_refused_in_one_line(gpus, tmp_path):
+    gpus(2)
+    with pytest.raises(UserError, match="compile=true with strategy=dp: .* use strategy=ddp"):
+        settled(["strategy=dp", "devices=2", "compile=true"], tmp_path)
+
+
+@pytest.mark.slow
+def test_compile_under_ddp_spawn_compiles_in_each_spawned_process(tmp_path):
+    # A compiled module cannot be pickled to spawned processes ("Can't pickle <function Module._call_impl>"):
+    # the model is compiled where it trains. The eager backend keeps the test fast; the path is inductor's too.
+    probe = tmp_path / "probe"
+    proc = train(tmp_path, "strategy=ddp_spawn", "devices=2", "compile=true", "+compile_options.backend=eager",
+                 *SHORT, "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+                 "+callbacks.probe._target_=probes.RecordCompiledGraphs", f"+callbacks.probe.output={probe}",
+                 env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["graphs"] > 0 for r in ranks)  # each training process ran a compiled forward
+    assert ranks[0]["parent"] == ranks[1]["parent"] not in {r["pid"] for r in ranks}  # both spawned by train.py
+    assert "Traceback" not in proc.stderr
