@@ -1,9 +1,16 @@
 """Shared test helpers: compose the real config, run the real train.py, and make small data sets."""
 
+import importlib.util
+import io
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -47,16 +54,76 @@ def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False
 
 
 def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):
-    """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process."""
+    """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process.
+
+    A run of one process with no environment of its own goes through train.py's Hydra entry point inside this
+    test process (see train_here): the same program, without importing torch and Lightning again (4-5 s a run).
+    """
     tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
-    overrides = [o for o in overrides if not o.startswith("-")]
-    command = [sys.executable, str(ROOT / "train.py"), *flags, f"paths.log_dir={tmp_path / 'logs'}", *QUIET,
-               *on_cpu(overrides)]  # fmt: skip
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=with_env(env))
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(o for o in overrides if not o.startswith("-"))]
+    if not flags and not env and one_process(overrides):
+        proc = train_here(tmp_path, overrides)
+    else:
+        command = [sys.executable, str(ROOT / "train.py"), *flags, *overrides]
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=with_env(env))
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def one_process(overrides: list[str]) -> bool:
+    """No other process takes part (DataLoader workers would write to a copy of this process's captured output)."""
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    return (values.get("strategy", "auto") in ("auto", "dp") and values.get("devices", "1") == "1"
+            and values.get("data.num_workers", "0") == "0")  # fmt: skip
+
+
+@dataclass
+class Finished:
+    """What subprocess.run returns, for a run made in this process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def train_here(tmp_path: Path, overrides: list[str]) -> Finished:
+    """`python train.py OVERRIDES` in this process: Hydra's own entry point with sys.argv, the working directory,
+    stdout and stderr as a subprocess would have them; what the run changes of the process is put back after."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _train_entry_point()
+    saved = (sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM), logging.getLogger().handlers[:])
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    run_name.cache_clear()  # a new run, a new name
+    GlobalHydra.instance().clear()
+    sys.argv = [str(ROOT / "train.py"), *overrides]
+    os.chdir(tmp_path)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            entry()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        sys.argv, cwd, handler, handlers = saved
+        os.chdir(cwd)
+        signal.signal(signal.SIGTERM, handler)
+        root = logging.getLogger()
+        for added in set(root.handlers) - set(handlers):  # Hydra's console and train.log handlers
+            added.close()
+        root.handlers[:] = handlers
+        GlobalHydra.instance().clear()
+    return Finished(code, out.getvalue(), err.getvalue())
+
+
+@cache
+def _train_entry_point():
+    spec = importlib.util.spec_from_file_location("train_entry_point", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main.__wrapped__.__module__ = "__main__"  # Hydra then finds conf/ beside the file, as for the script
+    return module.main
 
 
 def with_env(extra: dict | None) -> dict:
@@ -73,6 +140,23 @@ def run_dirs(tmp_path: Path, task: str = "train") -> list[Path]:
 
 def read_metrics(run_dir: Path) -> dict[str, float]:
     return json.loads((run_dir / "metrics.json").read_text())
+
+
+def sweep_jobs(tmp_path: Path, task: str = "train") -> list[Path]:
+    """The job directories of the one multirun under tmp_path, in job order."""
+    (sweep,) = (tmp_path / "logs" / task / "multiruns").iterdir()
+    return sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def model_weights(run_dir: Path) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 class Planted:
@@ -129,6 +213,6 @@ def image_folder(tmp_path: Path) -> Path:
 def default_run(tmp_path_factory):
     """The default single-process run (digits + MLP, 20 epochs), shared by the tests that inspect it."""
     tmp_path = tmp_path_factory.mktemp("default")
-    proc = train(tmp_path)
+    proc = train(tmp_path, "trainer.enable_progress_bar=true")  # as users run it; stdout is a pipe here
     (run_dir,) = run_dirs(tmp_path)
     return tmp_path, run_dir, proc

@@ -53,3 +53,33 @@ class RecordConvInputLayout(L.Callback):
 
         conv = [m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d)][-1]
         self.hook = conv.register_forward_pre_hook(record)
+
+
+class NanWeightsAtStep(L.Callback):
+    """Fills the weights with NaN before training step `step`: its loss is the first that is not finite."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            import torch
+
+            with torch.no_grad():
+                for parameter in pl_module.parameters():
+                    parameter.fill_(float("nan"))
+
+
+class RecordShardFractions(L.Callback):
+    """Writes `<output>/rank<r>.json`: for each DTensor parameter, the fraction of its elements this rank holds."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        fractions = {name: p.to_local().numel() / p.numel() for name, p in pl_module.named_parameters()
+                     if isinstance(p, DTensor)}  # fmt: skip
+        self.output.mkdir(parents=True, exist_ok=True)
+        (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(fractions))

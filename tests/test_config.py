@@ -48,9 +48,11 @@ def test_precision_key_sets_trainer_precision(value, tmp_path):
 def test_every_model_builds_and_maps_images_to_logits(option, tmp_path):
     import torch
 
-    cfg = compose_config([f"model={option}"], tmp_path)
+    imagenet_sized = option == "vit_s16"  # 16x16 patches: made for 224x224 images
+    data = ["data=synthetic", "data.num_classes=10"] if imagenet_sized else []  # else the default data: digits
+    cfg = compose_config([f"model={option}", *data], tmp_path)
     model = instantiate(cfg.model)
-    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)  # the default data: digits
+    assert model(torch.zeros(2, *cfg.data.image_shape)).shape == (2, 10)
 
 
 @pytest.mark.parametrize("option", options("strategy"))
@@ -59,10 +61,12 @@ def test_every_strategy_builds(option, tmp_path):
 
     from starter.strategies.dp import DataParallelStrategy
     from starter.strategies.fsdp import FSDP2Strategy
+    from starter.strategies.pp import PipelineStrategy
+    from starter.strategies.tp import TensorParallelStrategy
 
     strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy)
     expected = {"auto": str, "dp": DataParallelStrategy, "ddp": DDPStrategy, "ddp_spawn": DDPStrategy,
-                "fsdp": FSDP2Strategy}  # fmt: skip
+                "fsdp": FSDP2Strategy, "tp": TensorParallelStrategy, "pp": PipelineStrategy}  # fmt: skip
     assert isinstance(strategy, expected[option])
     if option.startswith("ddp"):
         assert strategy._start_method == ("spawn" if option == "ddp_spawn" else "popen")

@@ -17,7 +17,8 @@ DIGITS = dict(image_shape=[1, 8, 8], num_classes=10)
 
 
 def as_rank(datamodule, world: int, rank: int):
-    datamodule.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world, "rank": rank})
+    datamodule.trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=strategy)
     return datamodule
 
 
@@ -32,8 +33,9 @@ def test_digits_split_is_deterministic_disjoint_and_normalised():
     first.setup(), second.setup()
     sizes = [len(s) for s in (first.train_set, first.val_set, first.test_set)]
     assert sizes == [1257, 269, 271] and sum(sizes) == 1797
-    assert torch.equal(first.test_set.images, second.test_set.images)
-    assert abs(float(first.train_set.images.mean())) < 1e-5 and abs(float(first.train_set.images.std()) - 1) < 1e-4
+    assert torch.equal(first.test_set.images, second.test_set.images) and first.test_set.images.dtype == torch.uint8
+    train = first.normalise(first.train_set.images)  # on the device, after the transfer
+    assert abs(float(train.mean())) < 1e-5 and abs(float(train.std()) - 1) < 1e-4
     other = DigitsDataModule(seed=4, **DIGITS)
     other.setup()
     assert not torch.equal(first.test_set.labels, other.test_set.labels)
@@ -86,10 +88,11 @@ def test_mnist_is_read_from_idx_files_into_normalised_tensors(mnist_dir):
     dm.setup()
     assert [len(s) for s in (dm.train_set, dm.val_set, dm.test_set)] == [160, 40, 50]
     images = dm.train_set.images
-    assert images.dtype == torch.float32 and images.shape == (160, 1, 28, 28)
-    assert abs(float(images.max()) - (1 - 0.1307) / 0.3081) < 1e-5  # (255/255 - mean) / std
+    assert images.dtype == torch.uint8 and images.shape == (160, 1, 28, 28)  # a quarter of float32's bytes
     x, y = next(iter(as_rank(dm, 1, 0).train_dataloader()))
-    assert x.shape == (20, 1, 28, 28) and y.dtype == torch.long
+    x = dm.normalise(x)  # what on_after_batch_transfer does on the device
+    assert x.shape == (20, 1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.long
+    assert abs(float(x.max()) - (1 - 0.1307) / 0.3081) < 1e-5  # (255/255 - mean) / std
 
 
 def test_missing_mnist_names_the_directory_and_the_files(tmp_path):
@@ -109,6 +112,8 @@ def test_image_folder_applies_imagenet_transforms(image_folder):
     dm.setup()
     assert dm.train_set.classes == ["cat", "dog", "fox"] and len(dm.train_set) == 18 and len(dm.val_set) == 6
     x, y = next(iter(as_rank(dm, 1, 0).val_dataloader()))
+    assert x.dtype == torch.uint8  # through the loader's queues as bytes
+    x = dm.normalise(x)
     assert x.shape == (6, 3, 32, 32) and x.dtype == torch.float32
     # val is deterministic (resize + centre crop): the red class has a high normalised red channel
     assert float(x[y == 0][:, 0].mean()) > 1.0 and float(x[y == 0][:, 2].mean()) < -1.0
@@ -158,7 +163,7 @@ def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     (x1, y1), (x2, y2) = dm.train_set[5], dm.train_set[5]
     assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
     x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
-    assert x.shape == (4, 3, 224, 224)
+    assert x.shape == (4, 3, 224, 224) and x.dtype == torch.uint8  # made once, not per item
 
 
 def imagenet_archives(root, classes=("n01440764", "n01443537"), train_per_class=3, val_images=4):

@@ -59,7 +59,7 @@ def test_dp_on_several_nodes_is_refused(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_dp_on_two_gpus_matches_one_gpu(tmp_path):
-    common = ["accelerator=gpu", "debug=limit", "trainer.deterministic=true"]
+    common = ["accelerator=gpu", "debug=limit", "trainer.deterministic=true", "trainer.benchmark=false", "tf32=false"]
     train(tmp_path / "one", "strategy=auto", "devices=1", *common)
     train(tmp_path / "two", "strategy=dp", "devices=2", *common)
     one, two = (read_metrics(run_dirs(tmp_path / name)[0]) for name in ("one", "two"))

@@ -10,7 +10,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, plant, read_metrics, run_dirs, train
-from starter.strategies.fsdp import point_atomically, sharding_units
+from starter.strategies.fsdp import sharding_units
+from starter.strategies.model_parallel import point_atomically
 
 pytestmark = pytest.mark.slow
 SHORT = ["accelerator=cpu", "devices=2", "callbacks=state_bytes", "debug=limit", "trainer.max_epochs=4"]  # 20 steps
@@ -110,7 +111,7 @@ def test_cpu_offload_keeps_metric_states_and_buffers_with_the_batch_and_paramete
 
     model = Classifier(ResNet(18, 10), 10, optimizer=torch.optim.SGD)
     move_state_but_parameters(model, torch.device("meta"))  # "meta" stands for the GPU of a GPU host
-    assert model.val_acc.tp.device.type == model.test_loss.mean_value.device.type == "meta"
+    assert model.val_acc.total.device.type == model.test_loss.total.device.type == "meta"
     assert model.net.model.bn1.running_mean.device.type == "meta"
     assert all(p.device.type == "cpu" for p in model.parameters())
 

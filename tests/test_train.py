@@ -2,6 +2,8 @@
 
 import csv
 import json
+import os
+import time
 
 import torch
 
@@ -26,6 +28,51 @@ def test_default_run_leaves_every_output_in_one_directory(default_run):
     assert "${" not in (run_dir / "config.yaml").read_text()  # resolved
     header = "metric      value"
     assert proc.stdout.count(header) == 1 and f"test/acc    {read_metrics(run_dir)['test/acc']:.4f}" in proc.stdout
+
+
+def test_progress_in_a_log_file_is_one_line_per_epoch(default_run):
+    _, _, proc = default_run  # stdout is a pipe, as in a SLURM log: no bar frames, one line per epoch
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == [f"epoch {e}/20" for e in range(1, 21)]
+    assert "\r" not in proc.stdout
+    assert lines[-1].startswith("epoch 20/20: 19 steps in ") and "train/loss" in lines[-1] and "val/acc" in lines[-1]
+
+
+def test_progress_bar_on_a_terminal_is_redrawn_a_few_times_a_second_not_at_every_step(tmp_path):
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from conftest import ROOT
+
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path}", "accelerator=cpu",
+                             "data.batch_size=8", "trainer.max_epochs=2", "test=false"], stdout=terminal,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
+    os.close(terminal)
+    output = b""
+    while chunk := _read(master):
+        output += chunk
+    assert proc.wait() == 0
+    seconds = time.monotonic() - started
+    redraws = len(re.findall(r"\r(?!\n)", output.decode(errors="replace")))  # a bar frame starts with a bare CR
+    # At most 4 a second, plus a few at each epoch's start and end and around validation. Lightning's bar,
+    # redrawn at every one of the 314 steps, drew 3 frames per step (about 900).
+    assert 0 < redraws <= 4 * seconds + 2 * 20, (redraws, seconds)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the other end closed
+        return b""
 
 
 def test_checkpoints_load_with_torch_weights_only_and_plain_keys(default_run):
@@ -59,6 +106,11 @@ def test_ckpt_path_last_resumes_the_newest_run(default_run):
     with open(resumed / "metrics.csv", newline="") as f:
         trained_epochs = {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]}
     assert trained_epochs == {"20"}  # the first run's 20 epochs (0-19) were restored, only epoch 20 is new
+
+
+def test_the_vision_transformer_trains_the_digits_to_95_percent(tmp_path):
+    train(tmp_path, "model=vit")  # the default trainer: 20 epochs
+    assert read_metrics(run_dirs(tmp_path)[0])["test/acc"] >= 0.95
 
 
 def test_mnist_cnn_trains_from_local_files(mnist_dir, tmp_path):

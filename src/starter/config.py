@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 MULTI_PROCESS_LAUNCHERS = ("subprocess", "spawn")
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+TENSOR_PARALLEL_NETS = ("MLP", "ViT")  # class names of the nets whose layers strategies/tp.py splits
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -24,6 +25,19 @@ def world_size(cfg: DictConfig) -> int:
     if cfg.strategy.get("launcher") not in MULTI_PROCESS_LAUNCHERS:
         return 1
     return device_count(cfg.devices) * int(cfg.num_nodes)
+
+
+def tensor_parallel_size(cfg: DictConfig) -> int:
+    if cfg.strategy.name == "tp":
+        return world_size(cfg)
+    return int(cfg.strategy.get("tensor_parallel_size", 1))
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """Processes that load different batches: those of one tensor-parallel group, or of one pipeline, share theirs."""
+    if cfg.strategy.name == "pp":
+        return 1
+    return world_size(cfg) // tensor_parallel_size(cfg)
 
 
 def device_count(devices) -> int:
@@ -79,14 +93,15 @@ def prepare(cfg: DictConfig) -> None:
     if devices < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
     _check_strategy(cfg, devices)
-    per_process_batch_size(int(cfg.data.batch_size), world_size(cfg))
+    _check_model_parallel(cfg)
+    per_process_batch_size(int(cfg.data.batch_size), data_parallel_size(cfg))
     _check_nodes(cfg)
     _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         path = resolve_ckpt_path(cfg)
-        if path is not None and path.is_dir() and cfg.strategy.name != "fsdp":
+        if path is not None and path.is_dir() and cfg.strategy.name != (writer := sharding_strategy(path)):
             raise UserError(
-                f"ckpt_path={path} is a sharded (fsdp) checkpoint; resume or evaluate it with strategy=fsdp"
+                f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with strategy={writer}"
             )
         cfg.ckpt_path = None if path is None else str(path)
 
@@ -193,12 +208,54 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
         raise UserError("strategy=fsdp cannot scale fp16 losses (16-mixed); use precision=bf16-mixed")
 
 
+def _check_model_parallel(cfg: DictConfig) -> None:
+    """Tensor parallel (tp, fsdp with tensor_parallel_size) and pipeline parallel (pp): what they can run."""
+    name, world, tp = cfg.strategy.name, world_size(cfg), tensor_parallel_size(cfg)
+    if tp > 1:
+        net = str(cfg.model.net.get("_target_", "")).rsplit(".", 1)[-1]
+        if net not in TENSOR_PARALLEL_NETS:
+            raise UserError(f"strategy={name} splits the Linear layers of model=mlp or model=vit; this model's net"
+                            f" ({net}) has none it can split; use strategy=fsdp or ddp for it")  # fmt: skip
+        if world % tp:
+            raise UserError(f"strategy.tensor_parallel_size={tp} does not divide the {world} processes")
+        for key in ("heads", "width"):
+            if key in cfg.model.net and int(cfg.model.net[key]) % tp:
+                raise UserError(f"model.net.{key}={cfg.model.net[key]} does not split over {tp} tensor-parallel"
+                                f" processes; use a multiple of {tp}")  # fmt: skip
+    if (tp > 1 or name == "pp") and cfg.trainer.get("gradient_clip_val"):
+        raise UserError(f"trainer.gradient_clip_val with strategy={name}: the gradient norm would be one shard's or"
+                        " one stage's, not the model's; leave gradient clipping off")  # fmt: skip
+    if name != "pp":
+        return
+    if cfg.get("compile"):
+        raise UserError("compile=true with strategy=pp: the pipeline schedule runs the stages; use strategy=ddp")
+    if cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
+        raise UserError("strategy=pp cannot scale fp16 losses (16-mixed) inside its schedule; use precision=bf16-mixed")
+    batch, micro = int(cfg.data.batch_size), int(cfg.strategy.microbatches)
+    if batch % micro:
+        raise UserError(f"data.batch_size={batch} does not split into strategy.microbatches={micro}; every process"
+                        f" of a pipeline runs the whole batch: use a multiple of {micro}")  # fmt: skip
+    if cfg.strategy.schedule == "interleaved_1f1b" and micro >= world and micro % (micro // world):
+        raise UserError(f"strategy.microbatches={micro}: interleaved_1f1b on {world} processes needs a multiple"
+                        f" of {world}")  # fmt: skip
+
+
 def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
     # Lightning would make the same switch with a multi-line warning; say it once, up front, and record it.
     if cfg.precision != "16-mixed" or not runs_on_cpu(cfg):
         return
     log.warning("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)")
     cfg.precision = "bf16-mixed"
+
+
+def sharding_strategy(checkpoint: Path) -> str:
+    """The strategy (fsdp, tp, pp) that wrote a sharded checkpoint directory: its run's config says."""
+    config = checkpoint.resolve().parent.parent / "config.yaml"
+    if config.is_file():
+        from omegaconf import OmegaConf
+
+        return str(OmegaConf.load(config).strategy.name)
+    return "fsdp"
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path | None:

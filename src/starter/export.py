@@ -11,9 +11,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 
 def save_full_weights(trainer, path: Path) -> None:
-    """Collective under fsdp (every rank gathers its shards to rank 0); plain state_dict() otherwise."""
+    """Collective under fsdp, tp and pp (every rank sends its shards or stages to rank 0); state_dict() otherwise."""
+    gather = getattr(trainer.strategy, "full_state_dict", None)  # pipeline parallel: stages live on other ranks
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(trainer.lightning_module, options=options)
+    state = gather() if gather else get_model_state_dict(trainer.lightning_module, options=options)
     if trainer.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)

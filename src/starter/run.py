@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from starter.callbacks.compile import CompileModule
+from starter.callbacks.progress import progress_bar
 from starter.callbacks.resume_schedule import ResumeSchedule
 from starter.config import external_launcher
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
@@ -35,6 +36,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
     _silence_known_noise()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.accelerator in ("gpu", "cuda"):
+        use_tf32(bool(cfg.get("tf32", True)))
     datamodule = build(cfg.data)
     model = build(cfg.model)
     if cfg.get("channels_last"):
@@ -104,9 +107,11 @@ def build(node, **kwargs):
 
 
 def built_in_callbacks(cfg: DictConfig) -> list:
-    """What top-level keys ask for: the resumed lr schedule (always), torch.compile in the training process."""
+    """What top-level keys ask for: the resumed lr schedule (always), torch.compile in the training process, and
+    the progress display (a throttled bar on a terminal, a line per epoch in a log)."""
     compiling = [CompileModule(**cfg.get("compile_options", {}))] if cfg.get("compile") else []
-    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), *compiling]
+    bar = [progress_bar()] if cfg.trainer.get("enable_progress_bar", True) else []
+    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), *compiling, *bar]
 
 
 def cluster_environment(cfg: DictConfig) -> list:
@@ -118,6 +123,12 @@ def cluster_environment(cfg: DictConfig) -> list:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     return [LightningEnvironment()]
+
+
+def use_tf32(enabled: bool) -> None:
+    """float32 matmuls and convolutions on TF32 tensor cores (GPUs that have them), or strictly float32."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:

@@ -7,6 +7,9 @@ change the optimisation. Evaluation splits the data without padding (UnrepeatedD
 sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
 sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
 A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py).
+
+Images travel as uint8 (a quarter of float32's bytes through the loader's queues and to the GPU) and are
+normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
 """
 
 import lightning as L
@@ -38,6 +41,9 @@ class ShardedDataModule(L.LightningDataModule):
         self.num_workers = int(num_workers)
         self.pin_memory = bool(pin_memory)
         self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
+        # What normalise() applies to uint8 images; each data set sets its own (value_range: x's full scale).
+        self.value_range, self.mean, self.std = 255.0, (0.5,) * self.image_shape[0], (0.5,) * self.image_shape[0]
+        self._statistics: list[torch.Tensor] | None = None
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -52,7 +58,7 @@ class ShardedDataModule(L.LightningDataModule):
         return self._loader(self.test_set, "test")
 
     def _loader(self, dataset: Dataset, split: str) -> DataLoader:
-        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        world, rank = self._data_parallel_place()
         if len(dataset) == 0:
             raise UserError(f"the {split} split is empty; give it samples (for digits: data.split)")
         if len(dataset) < world:
@@ -71,9 +77,31 @@ class ShardedDataModule(L.LightningDataModule):
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last=False), **options)
 
+    def _data_parallel_place(self) -> tuple[int, int]:
+        """(data-parallel size, this process's data-parallel rank): the processes of one tensor-parallel group
+        or of one pipeline train on the same batch, so they share a place; without a strategy, (1, 0)."""
+        shard = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
+
     def _training_progress(self) -> tuple[int, int]:
         """(batches trained in this epoch, batches an epoch trains), for resuming mid-epoch."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed, self.trainer.num_training_batches
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images -> float32, zero mean and unit variance per channel, on the device they are on."""
+        if self._statistics is None or self._statistics[0].device != images.device:  # once: a copy to the device
+            shape = (1, -1) + (1,) * (images.dim() - 2)
+            self._statistics = [torch.tensor(v).view(shape).to(images.device) for v in (self.mean, self.std)]
+        mean, std = self._statistics
+        return (images.float() / self.value_range - mean) / std
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        images, labels = batch
+        if images.dtype == torch.uint8:
+            images = self.normalise(images)
+            if self.trainer is not None:  # the input dtype of the precision (bf16-true), as for any float input
+                images = self.trainer.precision_plugin.convert_input(images)
+        return images, labels
 
     def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
         if tuple(shape) != self.image_shape or num_classes != self.num_classes:

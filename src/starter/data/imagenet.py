@@ -1,8 +1,8 @@
 """An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
 ImageNet's own archives are turned into that tree once by data/imagenet_archives.py (the error says so).
 
-Train: RandomResizedCrop, horizontal flip, normalise. Val (also the test split): resize to 256/224 of the
-crop, centre crop, normalise. An unreadable image stops the run with an error that names the file, or, with
+Train: RandomResizedCrop, horizontal flip. Val (also the test split): resize to 256/224 of the crop, centre
+crop. Both give uint8 tensors; normalising with the ImageNet statistics happens on the device. An unreadable image stops the run with an error that names the file, or, with
 `data.skip_unreadable=true`, is left out of its batch with a warning that names it, and counted.
 """
 
@@ -60,15 +60,15 @@ class ImageFiles(ImageFolder):
         return [] if self.unreadable is None else [self.samples[int(i)][0] for i in self.unreadable.nonzero()]
 
 
-def imagenet_transforms(crop: int, channels: int, train: bool):
+def imagenet_transforms(crop: int, train: bool):
+    """PIL image -> uint8 tensor of the crop; normalised later, on the device (ShardedDataModule.normalise)."""
     from torchvision.transforms import v2
 
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
     if train:
         geometry = [v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()]
     else:
         geometry = [v2.Resize(round(crop * 256 / 224), antialias=True), v2.CenterCrop(crop)]
-    return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    return v2.Compose([*geometry, v2.PILToTensor()])
 
 
 class ImageFolderDataModule(ShardedDataModule):
@@ -83,6 +83,8 @@ class ImageFolderDataModule(ShardedDataModule):
     ):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
         self.root = Path(root)
+        if self.image_shape[0] == 3:
+            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.skip_unreadable = bool(skip_unreadable)
 
     def unreadable_images(self) -> list[str]:
@@ -125,7 +127,7 @@ class ImageFolderDataModule(ShardedDataModule):
         try:
             return ImageFiles(
                 directory,
-                transform=imagenet_transforms(crop, channels, train),
+                transform=imagenet_transforms(crop, train),
                 loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
                 skip_unreadable=self.skip_unreadable,
             )

@@ -1,4 +1,8 @@
-"""ImageNet-shaped random images and labels, made on the fly from (seed, index): for throughput runs."""
+"""ImageNet-shaped random images and labels, for throughput runs: nothing to download, decode or generate per step.
+
+A pool of random uint8 images is made once from the seed; sample i is pool image i % pool with its own label,
+fetched a batch at a time (one indexing op), so the loader can feed any GPU.
+"""
 
 import torch
 from torch.utils.data import Dataset
@@ -7,16 +11,25 @@ from starter.data.base import ShardedDataModule
 
 
 class RandomImages(Dataset):
-    def __init__(self, length: int, shape: tuple[int, ...], num_classes: int, seed: int):
-        self.length, self.shape, self.num_classes, self.seed = length, shape, num_classes, seed
+    def __init__(self, length: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 256):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
+        self.labels = torch.randint(num_classes, (length,), generator=generator)
 
     def __len__(self) -> int:
-        return self.length
+        return len(self.labels)
 
     def __getitem__(self, index: int):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)  # the same sample every epoch
-        image = torch.randn(self.shape, generator=generator)
-        return image, torch.randint(self.num_classes, (), generator=generator)
+        return self.images[index % len(self.images)], self.labels[index]
+
+    def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch
+        index = torch.as_tensor(indices)
+        return self.images[index % len(self.images)], self.labels[index]
+
+    @staticmethod
+    def collate_fn(batch):
+        """__getitems__ already returns the batch."""
+        return batch
 
 
 class SyntheticDataModule(ShardedDataModule):
@@ -25,6 +38,8 @@ class SyntheticDataModule(ShardedDataModule):
         self.train_size, self.eval_size = int(train_size), int(eval_size)
 
     def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
         shape, classes = self.image_shape, self.num_classes
         self.train_set = RandomImages(self.train_size, shape, classes, self.seed)
         self.val_set = RandomImages(self.eval_size, shape, classes, self.seed + 1)

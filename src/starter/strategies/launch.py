@@ -61,6 +61,8 @@ def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) ->
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         NODE_RANK=str(node_rank),
         WORLD_SIZE=str(world_size(cfg)),
+        # as torchrun: the cores shared out, not every worker running a thread per core of the machine
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )
     command = [sys.executable, "-m", "starter.worker", str(config_path)]
     ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]

@@ -1,0 +1,78 @@
+"""The progress display. On a terminal: Lightning's tqdm bar, redrawn at most every `refresh_s` seconds instead of
+at every step. Elsewhere (a SLURM log, a pipe, a file), where every redraw of a bar stays in the log as one more
+frame: one line per epoch. Neither reads a value from the device at a step that is not a logging step: the
+training values shown are those of the last logging step (`train/...` metrics the module logged there).
+"""
+
+import sys
+import time
+
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+
+def progress_bar(refresh_s: float = 0.25) -> ProgressBar:
+    return TimedBar(refresh_s) if sys.stdout.isatty() else EpochLines()
+
+
+def logged_training_values(trainer, values: dict[str, float]) -> None:
+    """At a logging step: the module's `train/...` values, read (one host sync) into `values`."""
+    if trainer.global_step % trainer.log_every_n_steps == 0:
+        values.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+
+
+class TimedBar(TQDMProgressBar):
+    def __init__(self, refresh_s: float = 0.25):
+        super().__init__(refresh_rate=1)
+        self.refresh_s, self.last_drawn, self.training_values = refresh_s, 0.0, {}
+
+    def _due(self, batch_idx: int, total) -> bool:
+        now = time.monotonic()
+        if now - self.last_drawn < self.refresh_s and batch_idx + 1 != total:
+            return False
+        self.last_drawn = now
+        return True
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        return {**self.training_values, **super().get_metrics(trainer, pl_module)}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        logged_training_values(trainer, self.training_values)
+        if self._due(batch_idx, self.train_progress_bar.total):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._due(batch_idx, self.val_progress_bar.total):
+            super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._due(batch_idx, self.test_progress_bar.total):
+            super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+
+
+class EpochLines(ProgressBar):
+    """`epoch 3/20: 19 steps in 1.2 s, train/loss 0.312, val/acc 0.952, val/loss 0.171`, printed by rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.enabled, self.started, self.training_values = True, 0.0, {}
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.started, self.first_step = time.monotonic(), trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        logged_training_values(trainer, self.training_values)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self.enabled:
+            return
+        values = {**self.training_values, **trainer.progress_bar_metrics}
+        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        line = f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
+        line += f" {time.monotonic() - self.started:.1f} s"
+        print(", ".join([line, *(f"{k} {v:.4g}" for k, v in sorted(values.items()))]), flush=True)

@@ -1,0 +1,94 @@
+"""What fsdp, tp and pp share: Lightning's ModelParallelStrategy with the parallelism applied from outside.
+
+Lightning's ModelParallelStrategy expects the LightningModule to parallelize itself in `configure_model`;
+here a subclass does it in `parallelize`, so the module stays strategy-agnostic. The process layout is a
+device mesh of (data parallel, tensor parallel) sizes that each subclass decides. Checkpoints are sharded
+directories (one file per rank + metadata, torch.distributed.checkpoint); each save writes a new directory
+that `last.ckpt`/`best.ckpt` (symlinks) then point at atomically, so a kill never leaves a mix.
+"""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+
+class OutsideModelParallel(ModelParallelStrategy):
+    def __init__(self, save_distributed_checkpoint: bool = True, **kwargs):
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.parallelized = False  # fit, then test in the same process: parallelize once
+
+    def mesh_sizes(self) -> tuple[int, int]:
+        """(data parallel, tensor parallel) sizes; their product is the world size."""
+        raise NotImplementedError
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Apply this strategy's parallelism to `module` (the LightningModule, on its device) in place."""
+        raise NotImplementedError
+
+    def place(self) -> None:
+        """Move the module to its device before `parallelize` (fsdp's CPU offload places it otherwise)."""
+        self.model_to_device()
+
+    @property
+    def optimizer_state_on_device(self) -> bool:
+        return True
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size, self._tensor_parallel_size = self.mesh_sizes()
+        super().setup_environment()
+
+    def setup(self, trainer) -> None:
+        # ModelParallelStrategy.setup, with `parallelize` instead of the module's configure_model.
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.place()
+        if not self.parallelized:
+            self.parallelize(self.model)
+            self.parallelized = True
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and self.optimizer_state_on_device:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        link = Path(filepath)
+        version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
+        super().save_checkpoint(checkpoint, link.parent / version, storage_options)
+        self.barrier()  # every shard written
+        if self.is_global_zero:
+            point_atomically(link, version)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath) -> None:
+        link = Path(filepath)
+        if self.is_global_zero and link.is_symlink():
+            shutil.rmtree(link.resolve(), ignore_errors=True)
+            link.unlink()
+        else:
+            super().remove_checkpoint(filepath)
+
+
+def point_atomically(link: Path, target: str) -> None:
+    """Make `link` a symlink to the sibling directory `target` with one rename, then delete its older versions
+    (also those a killed save left half-written)."""
+    temporary = link.with_name(f".{target}.link")
+    os.symlink(target, temporary)  # relative: the run directory can be moved
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)  # a plain sharded directory (written without this strategy)
+    os.replace(temporary, link)
+    for old in link.parent.glob(f"{link.name}.*"):
+        if old.name != target:
+            shutil.rmtree(old, ignore_errors=True)
