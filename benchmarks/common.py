@@ -60,22 +60,34 @@ def compose(overrides: list[str], output_dir: Path):
 
 
 class StepTimer(L.Callback):
-    """Writes {steps, seconds, samples} of training from batch `warmup` to the epoch's last batch (rank 0)."""
+    """Writes {steps, seconds, samples} of training from batch `warmup` to the epoch's last batch (rank 0).
+
+    On a GPU the clock is read after the device has finished its queued work (torch.cuda.synchronize), only at
+    the first and the last timed step: the steps between run as they would. Samples count the global batch."""
 
     def __init__(self, output: str, warmup: int = 10):
         self.output, self.warmup = Path(output), warmup
         self.start = self.end = None
         self.steps = self.samples = 0
 
+    @staticmethod
+    def _now(pl_module) -> float:
+        if pl_module.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if batch_idx == self.warmup:
-            self.start = time.perf_counter()
+            self.start = self._now(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if batch_idx >= self.warmup:
             self.steps += 1
-            self.samples += len(batch[1]) * trainer.world_size
-            self.end = time.perf_counter()
+            self.samples += trainer.datamodule.batch_size  # the global batch
+            if batch_idx + 1 == trainer.num_training_batches:
+                self.end = self._now(pl_module)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:

@@ -104,3 +104,11 @@ def test_a_model_parallel_run_resumes_from_its_sharded_checkpoint(strategy, jobs
 def test_what_model_parallelism_cannot_run_is_refused_before_launch(overrides, message, tmp_path):
     with pytest.raises(UserError, match=message):
         prepare(compose_config(["devices=2", "accelerator=cpu", *overrides], tmp_path))
+
+
+@pytest.mark.parametrize("strategy,message", [("tp", "strategy=tp cannot scale fp16 losses"),
+                                              ("pp", "strategy=pp cannot scale fp16 losses .* inside its schedule")])
+def test_fp16_on_gpus_is_refused_where_nothing_scales_the_loss(strategy, message, tmp_path, monkeypatch):
+    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 2)
+    with pytest.raises(UserError, match=message):
+        prepare(compose_config([f"strategy={strategy}", "devices=2", "precision=16-mixed"], tmp_path))

@@ -203,9 +203,9 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
             )
         if devices == 1:
             log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")
-    if name == "fsdp" and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
+    if name in ("fsdp", "tp") and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
         # fp16 needs a sharded gradient scaler, which Lightning's ModelParallelStrategy does not provide.
-        raise UserError("strategy=fsdp cannot scale fp16 losses (16-mixed); use precision=bf16-mixed")
+        raise UserError(f"strategy={name} cannot scale fp16 losses (16-mixed); use precision=bf16-mixed")
 
 
 def _check_model_parallel(cfg: DictConfig) -> None:

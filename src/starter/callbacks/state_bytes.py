@@ -1,8 +1,9 @@
-"""A callback that records, per rank, the bytes this process holds of parameters, gradients and optimizer state.
+"""A callback that records, per rank, the bytes this process holds of parameters, gradients and optimizer state,
+and its peak memory (GPU: the largest allocated; CPU: the resident set, libraries included).
 
-Under fsdp these are the local shards (about 1/N of ddp's); the figures go to <run_dir>/state_bytes/rank<r>.json,
-measured once, after the second optimizer step (when gradients and optimizer state both exist).
-Enable with `callbacks=state_bytes`.
+Under fsdp, tp and pp these are the local shards or stages; the figures go to
+<run_dir>/state_bytes/rank<r>.json, measured once, after the second optimizer step (when gradients and optimizer
+state both exist). Enable with `callbacks=state_bytes`.
 """
 
 import json
@@ -31,6 +32,14 @@ def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
     }
 
 
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
 class StateBytes(L.Callback):
     def __init__(self, output_dir: str):
         self.output_dir = Path(output_dir)
@@ -39,6 +48,7 @@ class StateBytes(L.Callback):
         if trainer.global_step != 2:
             return
         figures = state_bytes(pl_module, trainer.optimizers)  # the torch optimizers, not Lightning's wrappers
+        figures["peak_memory"] = peak_memory(pl_module.device)
         directory = self.output_dir / "state_bytes"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures) + "\n")
