@@ -85,7 +85,9 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if batch_idx >= self.warmup:
             self.steps += 1
-            self.samples += trainer.datamodule.batch_size  # the global batch
+            # the global batch (under tp and pp every rank sees all of it)
+            dm = trainer.datamodule
+            self.samples += dm.batch_size if dm is not None else len(batch[1]) * trainer.world_size
             if batch_idx + 1 == trainer.num_training_batches:
                 self.end = self._now(pl_module)
 

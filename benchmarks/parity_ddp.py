@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.common import RESULTS, free_port, markdown_table, timed_training
-from starter.data.mnist import MNISTDataModule, write_fake_mnist
+from starter.data.mnist import MEAN, STD, MNISTDataModule, write_fake_mnist
 from starter.models.nets.mlp import MLP
 
 
@@ -36,7 +36,7 @@ def hand_ddp_worker(rank: int, world: int, data_dir: str, batch_size: int, port:
     for step, (images, labels) in enumerate(loader):
         if step == 10:
             start = time.perf_counter()
-        loss = F.cross_entropy(model(images), labels)
+        loss = F.cross_entropy(model((images.float() / 255 - MEAN) / STD), labels)  # as train.py normalises
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -15,6 +15,7 @@ def test_gpu_scaling_benchmark_runs_its_tiny_cpu_form(tmp_path):
     command = [sys.executable, "-m", "benchmarks.gpu_scaling", "--tiny", "--accelerator", "cpu", "--results", str(tmp_path)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = json.loads((tmp_path / "gpu_scaling_tiny.json").read_text())["devices"]
-    assert set(measured) == {"1", "2"} and all(v > 0 for v in measured.values())
+    measured = json.loads((tmp_path / "gpu_scaling_tiny.json").read_text())
+    assert set(measured) == {"ResNet-18", "ViT (3 blocks, patch 4)"}  # a conv net and a transformer
+    assert all(set(m) == {"1", "2"} and all(v > 0 for v in m.values()) for m in measured.values())
     assert "scaling efficiency" in (tmp_path / "gpu_scaling_tiny.md").read_text()

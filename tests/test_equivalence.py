@@ -99,8 +99,10 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("strategy,workers", [("auto", 0), ("auto", 2), ("ddp", 0), ("ddp", 2)])
 def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(strategy, workers,
                                                                                          straight, tmp_path):  # fmt: skip
-    again = [*RESUME, *ranks(strategy), f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}",
-             "ckpt_path=auto"]  # fmt: skip
+    # Loader workers fetch ahead of training; persistent ones (as data=imagenet has them) also outlive an epoch.
+    # (Persistent: fewer forks of a threaded process, each of which can hang a worker on a lock a thread held.)
+    loader = [f"data.num_workers={workers}", *(["+data.persistent_workers=true"] if workers else [])]
+    again = [*RESUME, *ranks(strategy), *loader, f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
     stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
                     env=PROBES, expect_ok=False)  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-2000:]

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from conftest import read_metrics, run_dirs, train
+from conftest import max_difference, model_weights, read_metrics, run_dirs, train
 
 LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
 
@@ -166,10 +166,15 @@ def test_skip_unreadable_trains_past_a_corrupt_image_naming_and_counting_it(imag
     assert "test/acc" in read_metrics(run_dirs(tmp_path)[0])
 
 
-def test_synthetic_data_trains_resnet18(tmp_path):
-    train(tmp_path, "data=synthetic", "model=resnet18", "data.image_shape=[3,32,32]", "data.num_classes=10",
-          "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1")  # fmt: skip
-    assert "test/acc" in read_metrics(run_dirs(tmp_path)[0])
+def test_synthetic_data_trains_resnet18_the_same_with_its_pool_on_the_device(tmp_path):
+    # data.on_device=true: the loader yields pool indices and the batch is gathered on the compute device
+    common = ["data=synthetic", "model=resnet18", "data.image_shape=[3,32,32]", "data.num_classes=10",
+              "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1"]  # fmt: skip
+    train(tmp_path / "host", *common)
+    train(tmp_path / "device", *common, "data.on_device=true")
+    host, device = (run_dirs(tmp_path / where)[0] for where in ("host", "device"))
+    assert read_metrics(host)["test/acc"] == read_metrics(device)["test/acc"]
+    assert max_difference(model_weights(host), model_weights(device)) == 0.0
 
 
 def test_multirun_gives_each_job_its_own_directory(tmp_path):

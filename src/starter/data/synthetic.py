@@ -1,10 +1,13 @@
 """ImageNet-shaped random images and labels, for throughput runs: nothing to download, decode or generate per step.
 
 A pool of random uint8 images is made once from the seed; sample i is pool image i % pool with its own label,
-fetched a batch at a time (one indexing op), so the loader can feed any GPU.
+fetched a batch at a time (one indexing op), so the loader can feed any GPU. With `data.on_device=true` the
+pools are copied to the compute device once and the loader yields only pool indices: a batch is gathered on
+the device, so neither the loader nor the host-to-device copy can be what a throughput run measures.
 """
 
 import torch
+from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import Dataset
 
 from starter.data.base import ShardedDataModule
@@ -24,7 +27,11 @@ class RandomImages(Dataset):
 
     def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch
         index = torch.as_tensor(indices)
+        if self.indices_only:
+            return index % len(self.images), self.labels[index]
         return self.images[index % len(self.images)], self.labels[index]
+
+    indices_only = False  # yield pool indices for SyntheticDataModule.transfer_batch_to_device to gather
 
     @staticmethod
     def collate_fn(batch):
@@ -33,9 +40,11 @@ class RandomImages(Dataset):
 
 
 class SyntheticDataModule(ShardedDataModule):
-    def __init__(self, batch_size: int = 64, train_size: int = 2048, eval_size: int = 256, seed: int = 42, **kw):
+    def __init__(self, batch_size: int = 64, train_size: int = 2048, eval_size: int = 256, seed: int = 42,
+                 on_device: bool = False, **kw):  # fmt: skip
         super().__init__(batch_size=batch_size, seed=seed, **kw)
-        self.train_size, self.eval_size = int(train_size), int(eval_size)
+        self.train_size, self.eval_size, self.on_device = int(train_size), int(eval_size), bool(on_device)
+        self._device_pools: dict[str, torch.Tensor] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -44,3 +53,14 @@ class SyntheticDataModule(ShardedDataModule):
         self.train_set = RandomImages(self.train_size, shape, classes, self.seed)
         self.val_set = RandomImages(self.eval_size, shape, classes, self.seed + 1)
         self.test_set = RandomImages(self.eval_size, shape, classes, self.seed + 2)
+        for dataset in (self.train_set, self.val_set, self.test_set):
+            dataset.indices_only = self.on_device
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        if not self.on_device:
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        split = {RunningStage.TRAINING: "train", RunningStage.TESTING: "test"}.get(self.trainer.state.stage, "val")
+        if split not in self._device_pools:  # once per split: the pool's copy to the device
+            self._device_pools[split] = getattr(self, f"{split}_set").images.to(device)
+        slots, labels = batch
+        return self._device_pools[split][slots.to(device, non_blocking=True)], labels.to(device, non_blocking=True)
