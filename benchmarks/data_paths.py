@@ -1,5 +1,6 @@
-"""Data paths: one MNIST epoch held in memory (this starter) vs torchvision's per-item PIL path, and
-ImageFolder decode throughput per DataLoader worker count on a generated JPEG folder."""
+"""Data paths: one MNIST epoch held in memory (this starter) vs torchvision's per-item PIL path; the ImageNet
+train transform (decode, RandomResizedCrop 224, flip) per image in one process, by decoder; and ImageFolder
+throughput per DataLoader worker count on a generated JPEG folder (photo-like 500x375 images, quality 90)."""
 
 import argparse
 import json
@@ -42,11 +43,43 @@ def write_jpegs(root: Path, count: int, size=(500, 375)) -> None:
     for split in ("train", "val"):
         for c in range(4):
             (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    for i in range(count):  # smooth colour fields with mild noise: compresses like a photograph, unlike noise
+        base = Image.fromarray(rng.integers(0, 255, (12, 16, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
+        noise = rng.integers(-12, 12, (size[1], size[0], 3))
+        pixels = np.clip(np.asarray(base, dtype=np.int16) + noise, 0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(root / "train" / f"class{i % 4}" / f"{i}.JPEG", quality=90)
     for c in range(4):
         Image.fromarray(pixels).save(root / "val" / f"class{c}" / "0.JPEG")
+
+
+def decoders() -> dict:
+    """The train transform by decoder, each giving the crop that training receives."""
+    import torch
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    from starter.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, imagenet_transforms, load_image
+
+    crop = [v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]
+    before = v2.Compose([*crop, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    on_pil = v2.Compose([*crop, v2.PILToTensor()])
+
+    def pil(path):
+        with Image.open(path) as image:
+            return image.convert("RGB")
+
+    def pil_draft(path):  # libjpeg's reduced-size decode, ahead of the crop
+        image = Image.open(path)
+        image.draft("RGB", (224, 224))
+        return image.convert("RGB")
+
+    ours = imagenet_transforms(224, train=True)
+    return {
+        "PIL, float32 normalised in the worker (before)": lambda p: before(pil(p)),
+        "PIL, uint8 out": lambda p: on_pil(pil(p)),
+        "PIL with JPEG draft, uint8 out": lambda p: on_pil(pil_draft(p)),
+        "torchvision decode_image, crop on the tensor, uint8 (this starter)": lambda p: ours(load_image(str(p))),
+    }
 
 
 def main() -> None:
@@ -65,12 +98,30 @@ def main() -> None:
     ratio = statistics.median(pil) / statistics.median(in_memory)
     mnist_table = markdown_table(
         ["MNIST train epoch (60k, batch 128)", "median s", "range s"],
-        [["in memory, normalised once (this starter)", f"{statistics.median(in_memory):.2f}",
+        [["in memory, uint8, one indexing op a batch (this starter)", f"{statistics.median(in_memory):.2f}",
           f"{min(in_memory):.2f}-{max(in_memory):.2f}"],
          ["torchvision MNIST, PIL + ToTensor per item", f"{statistics.median(pil):.2f}", f"{min(pil):.2f}-{max(pil):.2f}"]],
     ) + f"\n\nIn memory is {ratio:.1f}x faster than the per-item PIL path (target: 2.5x or more).\n"  # fmt: skip
 
     write_jpegs(scratch / "jpeg", args.images)
+    import torch
+
+    torch.set_num_threads(1)  # as in a loader worker
+    files = sorted((scratch / "jpeg" / "train").rglob("*.JPEG"))
+    per_decoder = {}
+    for name, transform in decoders().items():
+        rates = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for path in files:
+                transform(path)
+            rates.append(len(files) / (time.perf_counter() - start))
+        per_decoder[name] = rates
+    first = statistics.median(next(iter(per_decoder.values())))
+    decoder_table = markdown_table(
+        ["train transform, one process (a loader worker's work)", "images/s", "range", "vs before"],
+        [[name, f"{statistics.median(r):.0f}", f"{min(r):.0f}-{max(r):.0f}", f"{statistics.median(r) / first:.2f}x"]
+         for name, r in per_decoder.items()])  # fmt: skip
     rows, decode = [], {}
     for workers in args.workers:
         dm = ImageFolderDataModule(str(scratch / "jpeg"), batch_size=32, num_workers=workers, pin_memory=False,
@@ -84,10 +135,11 @@ def main() -> None:
     folder_table = markdown_table(
         ["DataLoader workers", "images/s (500x375 JPEG -> RandomResizedCrop 224)", "range"], rows)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "data.md").write_text(mnist_table + "\n" + folder_table + "\n")
+    (RESULTS / "data.md").write_text(mnist_table + "\n" + decoder_table + "\n\n" + folder_table + "\n")
     (RESULTS / "data.json").write_text(json.dumps({"mnist_in_memory_s": in_memory, "mnist_pil_s": pil,
+                                                   "decoder_images_per_s": per_decoder,
                                                    "imagefolder_images_per_s": decode}, indent=1) + "\n")
-    print(mnist_table + "\n" + folder_table)
+    print(mnist_table + "\n" + decoder_table + "\n\n" + folder_table)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,3 +247,20 @@ def test_a_flat_imagenet_val_folder_is_sorted_into_classes_by_the_devkit(tmp_pat
     prepare(root)
     labelled = sorted((p.name, p.parent.name) for p in (root / "val").rglob("*.JPEG"))
     assert [wnid for _, wnid in labelled] == val_wnids
+
+
+def test_images_decode_to_their_exact_pixels_by_torchvision_or_pil(tmp_path):
+    from PIL import Image
+
+    from starter.data.imagenet import load_image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    for suffix in ("png", "bmp"):  # lossless: PNG decoded by torchvision, BMP (which it cannot read) by PIL
+        Image.fromarray(pixels).save(tmp_path / f"x.{suffix}")
+        decoded = load_image(str(tmp_path / f"x.{suffix}"))
+        assert decoded.dtype == torch.uint8 and torch.equal(decoded, torch.from_numpy(pixels).permute(2, 0, 1))
+    truncated = tmp_path / "t.jpg"
+    Image.fromarray(pixels).save(tmp_path / "x.jpg")
+    truncated.write_bytes((tmp_path / "x.jpg").read_bytes()[:200])
+    with pytest.raises(UserError, match=f"cannot read image {truncated}: Image is incomplete or truncated"):
+        load_image(str(truncated))
