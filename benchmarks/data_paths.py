@@ -73,7 +73,7 @@ def decoders() -> dict:
         image.draft("RGB", (224, 224))
         return image.convert("RGB")
 
-    ours = imagenet_transforms(224, train=True)
+    ours = imagenet_transforms(True, 224, 256, 224)
     return {
         "PIL, float32 normalised in the worker (before)": lambda p: before(pil(p)),
         "PIL, uint8 out": lambda p: on_pil(pil(p)),

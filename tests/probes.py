@@ -83,3 +83,16 @@ class RecordShardFractions(L.Callback):
                      if isinstance(p, DTensor)}  # fmt: skip
         self.output.mkdir(parents=True, exist_ok=True)
         (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(fractions))
+
+
+class RecordLearningRates(L.Callback):
+    """Writes `<output>`: the learning rate each optimizer step ran with (read inside the step)."""
+
+    def __init__(self, output: str):
+        self.output, self.rates = Path(output), []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.output.write_text(json.dumps(self.rates))

@@ -5,6 +5,7 @@ import json
 import os
 import time
 
+import pytest
 import torch
 
 from conftest import max_difference, model_weights, read_metrics, run_dirs, train
@@ -15,8 +16,23 @@ LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, n
 def test_default_run_reaches_95_percent_test_accuracy(default_run):
     _, run_dir, _ = default_run
     metrics = read_metrics(run_dir)
-    assert set(metrics) == {"train/loss", "val/loss", "val/acc", "test/loss", "test/acc"}
+    assert set(metrics) == {"train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc", "val/acc_top5",
+                            "test/acc_top5", "val/acc_best", "train/images_per_s", "train/epoch_time", "lr"}  # fmt: skip
     assert metrics["test/acc"] >= 0.95 and metrics["val/acc"] >= 0.95
+    assert metrics["val/acc_best"] >= metrics["val/acc"] and metrics["test/acc_top5"] >= metrics["test/acc"]
+
+
+def test_each_epoch_logs_its_images_per_second_time_and_learning_rate(default_run):
+    _, run_dir, _ = default_run
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/images_per_s")]
+    assert len(rows) == 20  # one per epoch
+    assert all(float(r["train/images_per_s"]) > 0 and float(r["train/epoch_time"]) > 0 for r in rows)
+    with open(run_dir / "metrics.csv", newline="") as f:
+        accs = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")]
+    assert [float(r["val/acc_best"]) for r in rows] == [max(accs[: i + 1]) for i in range(20)]  # the running best
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[0] == pytest.approx(0.002) and lrs == sorted(lrs, reverse=True)  # cosine from the configured 0.002
 
 
 def test_default_run_leaves_every_output_in_one_directory(default_run):
@@ -26,8 +42,9 @@ def test_default_run_leaves_every_output_in_one_directory(default_run):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "learning_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "${" not in (run_dir / "config.yaml").read_text()  # resolved
-    header = "metric      value"
-    assert proc.stdout.count(header) == 1 and f"test/acc    {read_metrics(run_dir)['test/acc']:.4f}" in proc.stdout
+    width = len("train/images_per_s")  # the longest name
+    header, test_acc = f"{'metric':<{width}}  value", f"{'test/acc':<{width}}  {read_metrics(run_dir)['test/acc']:.4f}"
+    assert proc.stdout.count(header) == 1 and test_acc in proc.stdout
 
 
 def test_progress_in_a_log_file_is_one_line_per_epoch(default_run):
@@ -95,7 +112,8 @@ def test_evaluating_the_best_checkpoint_reproduces_the_test_metrics(default_run,
     train(tmp_path, "train=false", f"ckpt_path={run_dir / 'checkpoints' / 'best.ckpt'}")
     (eval_dir,) = run_dirs(tmp_path)
     evaluated, trained = read_metrics(eval_dir), read_metrics(run_dir)
-    assert evaluated == {"test/loss": trained["test/loss"], "test/acc": trained["test/acc"]}
+    tested = ("test/loss", "test/acc", "test/acc_top5")
+    assert evaluated == {key: trained[key] for key in tested}
 
 
 def test_ckpt_path_last_resumes_the_newest_run(default_run):

@@ -89,11 +89,14 @@ def prepare(cfg: DictConfig) -> None:
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     _settle_accelerator_and_devices(cfg)
+    _settle_num_classes(cfg)
     devices = device_count(cfg.devices)
     if devices < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
     _check_strategy(cfg, devices)
     _check_model_parallel(cfg)
+    _check_sync_batchnorm(cfg)
+    _check_weight_averaging(cfg)
     per_process_batch_size(int(cfg.data.batch_size), data_parallel_size(cfg))
     _check_nodes(cfg)
     _redirect_fp16_on_cpu(cfg)
@@ -104,6 +107,33 @@ def prepare(cfg: DictConfig) -> None:
                 f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with strategy={writer}"
             )
         cfg.ckpt_path = None if path is None else str(path)
+
+
+def _settle_num_classes(cfg: DictConfig) -> None:
+    """An image folder's class count, when the config leaves it out (null): its class folders under train/."""
+    if cfg.data.get("num_classes", 0) is not None or "root" not in cfg.data:
+        return
+    train = Path(cfg.data.root) / "train"
+    if not train.is_dir():
+        raise UserError(f"no directory {train}: data.num_classes is read from its class folders; point data.root at"
+                        " a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give data.num_classes")  # fmt: skip
+    cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
+
+
+def _check_weight_averaging(cfg: DictConfig) -> None:
+    if cfg.model.get("ema_decay") is not None and cfg.strategy.name in ("fsdp", "tp", "pp"):
+        raise UserError(f"model.ema_decay (weight averaging) needs whole weights in each process; strategy="
+                        f"{cfg.strategy.name} shards them. Use strategy=ddp, or model.ema_decay=null")  # fmt: skip
+
+
+def _check_sync_batchnorm(cfg: DictConfig) -> None:
+    if not cfg.get("sync_batchnorm") or world_size(cfg) == 1:
+        return
+    if cfg.strategy.name not in ("ddp", "ddp_spawn"):
+        raise UserError(f"sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy={cfg.strategy.name}")
+    if runs_on_cpu(cfg):
+        raise UserError("sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
+                        " on CPU each process normalises with its own batch statistics")  # fmt: skip
 
 
 def _adopt_torchrun_sizes(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from starter.callbacks.compile import CompileModule
+from starter.callbacks.epoch_stats import EpochStats
 from starter.callbacks.progress import progress_bar
 from starter.callbacks.resume_schedule import ResumeSchedule
 from starter.config import external_launcher
@@ -107,11 +108,17 @@ def build(node, **kwargs):
 
 
 def built_in_callbacks(cfg: DictConfig) -> list:
-    """What top-level keys ask for: the resumed lr schedule (always), torch.compile in the training process, and
-    the progress display (a throttled bar on a terminal, a line per epoch in a log)."""
+    """What the config asks for: the resumed lr schedule and the per-epoch figures (always), an exponential moving
+    average of the weights (model.ema_decay), torch.compile in the training process, and the progress display (a
+    throttled bar on a terminal, a line per epoch in a log)."""
     compiling = [CompileModule(**cfg.get("compile_options", {}))] if cfg.get("compile") else []
     bar = [progress_bar()] if cfg.trainer.get("enable_progress_bar", True) else []
-    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), *compiling, *bar]
+    averaging = []
+    if cfg.model.get("ema_decay") is not None:  # validation, test, best.ckpt and model.pt get the averaged weights
+        from starter.callbacks.weight_averaging import AveragedWeights
+
+        averaging = [AveragedWeights(decay=float(cfg.model.ema_decay))]
+    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), EpochStats(), *averaging, *compiling, *bar]
 
 
 def cluster_environment(cfg: DictConfig) -> list:

@@ -32,6 +32,8 @@ class ShardedDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
     ):
         super().__init__()
         self.batch_size = int(batch_size)
@@ -44,6 +46,7 @@ class ShardedDataModule(L.LightningDataModule):
         # What normalise() applies to uint8 images; each data set sets its own (value_range: x's full scale).
         self.value_range, self.mean, self.std = 255.0, (0.5,) * self.image_shape[0], (0.5,) * self.image_shape[0]
         self._statistics: list[torch.Tensor] | None = None
+        self.mix = batch_mixing(float(mixup_alpha), float(cutmix_alpha), self.num_classes)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -97,10 +100,13 @@ class ShardedDataModule(L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         images, labels = batch
-        if images.dtype == torch.uint8:
+        normalised = images.dtype == torch.uint8
+        if normalised:
             images = self.normalise(images)
-            if self.trainer is not None:  # the input dtype of the precision (bf16-true), as for any float input
-                images = self.trainer.precision_plugin.convert_input(images)
+        if self.mix is not None and self.trainer is not None and self.trainer.training:
+            images, labels = self.mix(images, labels)  # labels become soft targets, rows summing to 1
+        if normalised and self.trainer is not None:  # the input dtype of the precision (bf16-true), as for any float input
+            images = self.trainer.precision_plugin.convert_input(images)
         return images, labels
 
     def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
@@ -109,3 +115,14 @@ class ShardedDataModule(L.LightningDataModule):
                 f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says"
                 f" data.image_shape={list(self.image_shape)} data.num_classes={self.num_classes}"
             )
+
+
+def batch_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
+    """torchvision's batch-level MixUp / CutMix (one of the two per batch when both are on), or None."""
+    if mixup_alpha <= 0 and cutmix_alpha <= 0:
+        return None
+    from torchvision.transforms import v2
+
+    mixes = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []
+    mixes += [v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else []
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)

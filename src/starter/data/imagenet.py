@@ -1,8 +1,10 @@
 """An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
 ImageNet's own archives are turned into that tree once by data/imagenet_archives.py (the error says so).
 
-Train: RandomResizedCrop, horizontal flip. Val (also the test split): resize to 256/224 of the crop, centre
-crop. Both give uint8 tensors; normalising with the ImageNet statistics happens on the device. An unreadable image stops the run with an error that names the file, or, with
+Train: RandomResizedCrop, horizontal flip, optionally an auto-augment policy and random erasing (torchvision's
+reference recipe, its flags as keys). Val (also the test split): resize to 256/224 of the crop, centre crop.
+Both give uint8 tensors; normalising with the ImageNet statistics happens on the device, where mixup / cutmix
+also run (data/base.py). An unreadable image stops the run with an error that names the file, or, with
 `data.skip_unreadable=true`, is left out of its batch with a warning that names it, and counted.
 """
 
@@ -71,15 +73,25 @@ class ImageFiles(ImageFolder):
         return [] if self.unreadable is None else [self.samples[int(i)][0] for i in self.unreadable.nonzero()]
 
 
-def imagenet_transforms(crop: int, train: bool):
-    """uint8 image tensor -> uint8 tensor of the crop; normalised later, on the device (ShardedDataModule.normalise)."""
+def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int, val_crop_size: int,
+                        auto_augment: str | None = None, random_erase: float = 0.0):  # fmt: skip
+    """uint8 image tensor -> uint8 tensor of the crop, as torchvision's reference recipe builds it; normalised
+    later, on the device (ShardedDataModule.normalise). Random erasing fills with the ImageNet mean colour: what
+    the recipe's zero is after normalisation."""
     from torchvision.transforms import v2
 
-    if train:
-        geometry = [v2.RandomResizedCrop(crop, antialias=True), v2.RandomHorizontalFlip()]
-    else:
-        geometry = [v2.Resize(round(crop * 256 / 224), antialias=True), v2.CenterCrop(crop)]
-    return v2.Compose(geometry)
+    if not train:
+        return v2.Compose([v2.Resize(val_resize_size, antialias=True), v2.CenterCrop(val_crop_size)])
+    steps = [v2.RandomResizedCrop(train_crop_size, antialias=True), v2.RandomHorizontalFlip()]
+    policies = {"ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment,
+                "imagenet": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)}  # fmt: skip
+    if auto_augment is not None:
+        if auto_augment not in policies:
+            raise UserError(f"data.auto_augment={auto_augment}: choose one of {', '.join(policies)} or null")
+        steps.append(policies[auto_augment]())
+    if random_erase > 0:
+        steps.append(v2.RandomErasing(p=random_erase, value=[round(255 * m) for m in IMAGENET_MEAN]))
+    return v2.Compose(steps)
 
 
 class ImageFolderDataModule(ShardedDataModule):
@@ -90,10 +102,19 @@ class ImageFolderDataModule(ShardedDataModule):
         num_workers: int = 8,
         seed: int = 42,
         skip_unreadable: bool = False,
+        train_crop_size: int | None = None,  # null: image_shape's
+        val_resize_size: int | None = None,  # null: 256/224 of val_crop_size
+        val_crop_size: int | None = None,  # null: image_shape's
+        auto_augment: str | None = None,
+        random_erase: float = 0.0,
         **kwargs,
     ):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
         self.root = Path(root)
+        self.train_crop_size = int(train_crop_size or self.image_shape[-1])
+        self.val_crop_size = int(val_crop_size or self.image_shape[-1])
+        self.val_resize_size = int(val_resize_size or round(self.val_crop_size * 256 / 224))
+        self.auto_augment, self.random_erase = auto_augment, float(random_erase)
         if self.image_shape[0] == 3:
             self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.skip_unreadable = bool(skip_unreadable)
@@ -134,11 +155,12 @@ class ImageFolderDataModule(ShardedDataModule):
                 f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
                 f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree"
             )
-        channels, crop = self.image_shape[0], self.image_shape[-1]
+        channels = self.image_shape[0]
         try:
             return ImageFiles(
                 directory,
-                transform=imagenet_transforms(crop, train),
+                transform=imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
+                                              self.auto_augment, self.random_erase),  # fmt: skip
                 loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
                 skip_unreadable=self.skip_unreadable,
             )

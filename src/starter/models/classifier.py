@@ -4,6 +4,12 @@ Evaluation metrics are torchmetrics objects: their states (sums and counts) are 
 per epoch, so val/test numbers are exact under any strategy, also when ranks hold unequal shards (or, in a
 pipeline, none). Sums and counts on the device: no per-step argument checks, each a host-device sync on a GPU.
 Only primitive hyper-parameters and tensors go into checkpoints, so they load with torch.load(weights_only=True).
+
+Training labels are class indices, or soft targets (rows summing to 1) when the data mixes images (mixup,
+cutmix); `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are the torchvision recipe's knobs of
+the same names. The warm-up scales the configured schedule's learning rate by a factor rising linearly from 0.01
+to 1 over its optimizer steps, applied around each step only, so the schedule itself (and its resume) is the
+configured one. `ema_decay` is read by run.py, which averages the weights with Lightning's EMAWeightAveraging.
 """
 
 from collections.abc import Callable
@@ -38,28 +44,40 @@ class Classifier(L.LightningModule):
         num_classes: int,
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        label_smoothing: float = 0.0,
+        norm_weight_decay: float | None = None,  # null: norm layers decay like the rest
+        lr_warmup_epochs: float = 0.0,
+        ema_decay: float | None = None,  # null: no weight averaging (run.py adds the callback otherwise)
     ):
         super().__init__()
         self.net = net
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
+        self.label_smoothing, self.norm_weight_decay = float(label_smoothing), norm_weight_decay
+        self.lr_warmup_epochs, self.ema_decay = float(lr_warmup_epochs), ema_decay
         self.val_loss, self.test_loss = SampleMean(), SampleMean()
         self.val_acc, self.test_acc = SampleMean(), SampleMean()  # accuracy: the mean of "the top class is right"
+        self.top5 = num_classes > 5
+        if self.top5:
+            self.val_acc_top5, self.test_acc_top5 = SampleMean(), SampleMean()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        loss = self.criterion(self(images), labels)
+        logits = self(images)
+        loss = self.criterion(logits, labels)
         # self.log costs ~0.2 ms a call; the logger keeps only every log_every_n_steps-th value anyway. Not on
         # Lightning's progress bar: it would read the value (a host sync) at every later step of the epoch.
         if self.trainer.global_step % self.trainer.log_every_n_steps == self.trainer.log_every_n_steps - 1:
-            self.log("train/loss", loss)  # this rank's value
+            self.log("train/loss", loss)  # this rank's value, this batch
+            hard = labels if labels.dim() == 1 else labels.argmax(dim=-1)  # soft targets: their largest share
+            self.log("train/acc", (logits.detach().argmax(dim=-1) == hard).float().mean())
         return loss
 
     def criterion(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss (pipeline parallel computes it per micro-batch on the last stage)."""
-        return F.cross_entropy(logits, labels)
+        return F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_loss, self.val_acc)
@@ -74,9 +92,45 @@ class Classifier(L.LightningModule):
         acc_metric.update(logits.argmax(dim=-1) == labels)
         self.log(f"{stage}/loss", loss_metric, prog_bar=stage == "val")
         self.log(f"{stage}/acc", acc_metric, prog_bar=stage == "val")
+        if self.top5:
+            top5 = getattr(self, f"{stage}_acc_top5")
+            top5.update((logits.topk(5, dim=-1).indices == labels[:, None]).any(dim=-1))
+            self.log(f"{stage}/acc_top5", top5)
 
     def configure_optimizers(self):
-        optimizer = self.make_optimizer(params=self.parameters())
+        optimizer = self.make_optimizer(params=self.parameter_groups())
         if self.make_scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.make_scheduler(optimizer)}
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        factor = self.warmup_factor()
+        if factor == 1.0:
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        planned = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        finally:  # the schedule goes on from the planned rates
+            for group, lr in zip(optimizer.param_groups, planned):
+                group["lr"] = lr
+
+    def warmup_factor(self) -> float:
+        """0.01 at the first optimizer step, rising linearly to 1 after lr_warmup_epochs epochs of steps."""
+        if self.lr_warmup_epochs <= 0:
+            return 1.0
+        per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+        warm_steps = self.lr_warmup_epochs * per_epoch
+        step = self.trainer.global_step
+        return 1.0 if step >= warm_steps else 0.01 + 0.99 * step / warm_steps
+
+    def parameter_groups(self):
+        """All parameters; with norm_weight_decay, the norm layers' (BatchNorm, LayerNorm, ...) in a group of their own."""
+        if self.norm_weight_decay is None:
+            return self.parameters()
+        norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+        norm = [p for m in self.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)]
+        ids = {id(p) for p in norm}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return [{"params": rest}, {"params": norm, "weight_decay": float(self.norm_weight_decay)}]

@@ -198,10 +198,10 @@ class PipelineStrategy(OutsideModelParallel):
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
                 raise UserError(f"ckpt_path={path}: a pipeline resumes from its own sharded checkpoint (evaluating"
                                 " this one works: train=false)")  # fmt: skip
-            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-            weights = checkpoint.pop("state_dict")
+            saved = torch.load(path, map_location="cpu", weights_only=weights_only)
+            weights = saved.pop("state_dict")
             self.model.load_state_dict({name: weights[name] for name in self.model.state_dict()})
-            return checkpoint
+            return saved
         weights = {"state_dict": get_model_state_dict(self.model)}
         checkpoint.load(weights, checkpoint_id=path)
         self.model.load_state_dict(weights["state_dict"])

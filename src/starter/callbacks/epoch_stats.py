@@ -1,0 +1,47 @@
+"""Per epoch, what a training log is read for: images/s and time of the epoch's training steps, the learning
+rate it started with, and the best val/acc so far (also in metrics.json and the final table).
+
+Clocks and counts are read on the host at batch ends (no device sync, no collective); the figures are logged
+once per epoch, as `train/images_per_s`, `train/epoch_time`, `lr` and `val/acc_best`.
+"""
+
+import time
+
+import lightning as L
+
+
+class EpochStats(L.Callback):
+    def __init__(self):
+        self.started = self.ended = 0.0
+        self.lr: float | None = None
+        self.best: float | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.started = self.ended = time.monotonic()
+        # the epoch's learning rate (an epoch-wise schedule steps before on_train_epoch_end)
+        self.lr = float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.ended = time.monotonic()  # the epoch's time is its training steps': validation is not in it
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this epoch's (after a resume too)
+        seconds = max(self.ended - self.started, 1e-9)
+        pl_module.log("train/epoch_time", seconds)
+        pl_module.log("train/images_per_s", steps * trainer.datamodule.batch_size / seconds)  # the global batch
+        if self.lr is not None:
+            pl_module.log("lr", self.lr)
+        if self.best is not None:  # validation ran before this hook
+            pl_module.log("val/acc_best", self.best)
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # the epoch's val/acc is in callback_metrics by now
+        if trainer.sanity_checking or "val/acc" not in trainer.callback_metrics:
+            return
+        acc = float(trainer.callback_metrics["val/acc"])
+        self.best = acc if self.best is None else max(self.best, acc)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.best = state_dict.get("best")

@@ -1,0 +1,121 @@
+"""torchvision's reference-recipe knobs, each doing what it says on a fixed batch or a composed config."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
+from starter.config import prepare
+from starter.data.base import batch_mixing
+from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
+from starter.errors import UserError
+from starter.models.classifier import Classifier
+
+
+def classifier(**knobs) -> Classifier:
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+    return Classifier(net, 10, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, weight_decay=0.5), **knobs)
+
+
+def test_label_smoothing_moves_the_loss_by_its_known_amount():
+    logits, labels = torch.randn(6, 10, generator=torch.Generator().manual_seed(0)), torch.arange(6)
+    plain = classifier().criterion(logits, labels)
+    smoothed = classifier(label_smoothing=0.1).criterion(logits, labels)
+    uniform = -F.log_softmax(logits, dim=-1).mean(dim=-1).mean()  # cross-entropy against the uniform target
+    assert smoothed.item() == pytest.approx(0.9 * plain.item() + 0.1 * uniform.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mixup,cutmix", [(0.2, 0.0), (0.0, 1.0), (0.2, 1.0)])
+def test_mixup_and_cutmix_give_soft_targets_whose_rows_sum_to_1_and_a_finite_loss(mixup, cutmix):
+    torch.manual_seed(0)
+    images, labels = torch.rand(8, 3, 16, 16), torch.arange(8) % 10
+    mixed, targets = batch_mixing(mixup, cutmix, 10)(images, labels)
+    assert targets.shape == (8, 10) and torch.allclose(targets.sum(dim=1), torch.ones(8))
+    assert (targets > 0).sum(dim=1).max() == 2 and not torch.equal(mixed, images)  # two classes mixed per row
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(768, 10)), 10, optimizer=torch.optim.SGD)
+    assert math.isfinite(model.criterion(model(mixed), targets).item())
+    assert batch_mixing(0.0, 0.0, 10) is None  # off by default
+
+
+def test_norm_weight_decay_puts_norm_layers_in_their_own_group():
+    groups = classifier(norm_weight_decay=0.0).configure_optimizers().param_groups
+    assert [len(g["params"]) for g in groups] == [4, 2] and [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    assert len(classifier().configure_optimizers().param_groups) == 1  # null: one group, as before
+
+
+@pytest.mark.parametrize("policy", ["ta_wide", "ra", "imagenet"])
+def test_auto_augment_and_random_erasing_keep_uint8_crops_of_the_train_crop_size(policy):
+    transform = imagenet_transforms(True, 24, 36, 32, auto_augment=policy, random_erase=1.0)
+    crop = transform(torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8))
+    assert crop.dtype == torch.uint8 and crop.shape == (3, 24, 24)
+    assert imagenet_transforms(False, 24, 36, 32)(torch.zeros(3, 40, 48, dtype=torch.uint8)).shape == (3, 32, 32)
+    with pytest.raises(UserError, match="data.auto_augment=autoaug: choose one of ta_wide, ra, imagenet"):
+        imagenet_transforms(True, 24, 36, 32, auto_augment="autoaug")
+
+
+def test_val_resize_defaults_to_256_224_of_the_val_crop(image_folder):
+    dm = ImageFolderDataModule(str(image_folder), image_shape=[3, 32, 32], num_classes=3, train_crop_size=24)
+    assert (dm.train_crop_size, dm.val_resize_size, dm.val_crop_size) == (24, 37, 32)
+
+
+def test_the_class_count_is_read_from_the_folder_unless_given(image_folder, tmp_path):
+    cfg = compose_config(["data=imagenet", f"data.root={image_folder}", "accelerator=cpu"], tmp_path)
+    prepare(cfg)
+    assert cfg.data.num_classes == 3 and cfg.model.num_classes == 3  # the model's follows the data's
+    cfg = compose_config(["data=imagenet", f"data.root={tmp_path / 'none'}", "accelerator=cpu"], tmp_path)
+    with pytest.raises(UserError, match="no directory .*none/train: data.num_classes is read from its class folders"):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=ddp", "devices=2"], "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU"),
+    (["strategy=fsdp", "devices=2"], "sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy=fsdp"),
+])  # fmt: skip
+def test_sync_batchnorm_is_refused_where_it_cannot_run(overrides, message, tmp_path):
+    cfg = compose_config(["sync_batchnorm=true", "accelerator=cpu", *overrides], tmp_path)
+    with pytest.raises(UserError, match=message):
+        prepare(cfg)
+    prepare(compose_config(["sync_batchnorm=true", "accelerator=cpu"], tmp_path))  # one process: nothing to sync
+
+
+def test_lr_warmup_rises_linearly_over_its_steps_then_follows_the_schedule(tmp_path, monkeypatch):
+    # 3 epochs of 5 steps, a cosine schedule over 3 epochs, 2 warm-up epochs: 10 steps from 0.01x to 1x
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    rates = tmp_path / "rates.json"
+    train(tmp_path, "debug=limit", "test=false", "trainer.max_epochs=3", "model.lr_warmup_epochs=2",
+          "+callbacks.lr._target_=probes.RecordLearningRates", f"+callbacks.lr.output={rates}")  # fmt: skip
+    scheduled = [0.002 * (1 + math.cos(math.pi * (step // 5) / 3)) / 2 for step in range(15)]
+    factors = [0.01 + 0.99 * step / 10 if step < 10 else 1.0 for step in range(15)]
+    assert json.loads(rates.read_text()) == pytest.approx([s * f for s, f in zip(scheduled, factors)], rel=1e-6)
+
+
+def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
+    train(tmp_path, "debug=limit", "trainer.max_epochs=2", "model.ema_decay=0.9")
+    run_dir = run_dirs(tmp_path)[0]
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    averaged, raw = last["state_dict"], last["current_model_state"]  # Lightning's EMAWeightAveraging layout
+    assert max_difference(averaged, raw) > 1e-4  # the average lags the raw weights
+    assert max_difference(model_weights(run_dir), averaged) == 0.0
+    # evaluating best.ckpt (the averaged weights) gives the run's test metrics: it is what the run tested
+    best = run_dir / "checkpoints" / "best.ckpt"
+    evaluated = train(tmp_path / "eval", "debug=limit", "train=false", f"ckpt_path={best}", "model.ema_decay=0.9")
+    assert evaluated.returncode == 0
+    assert read_metrics(run_dirs(tmp_path / "eval")[0])["test/acc"] == read_metrics(run_dir)["test/acc"]
+    with pytest.raises(UserError, match="model.ema_decay .* strategy=fsdp shards them"):
+        prepare(compose_config(["model.ema_decay=0.9", "strategy=fsdp", "devices=2", "accelerator=cpu"], tmp_path))
+
+
+def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, tmp_path):
+    # the recipe as it is, made small only where a 2-core CPU needs it (a ResNet-18, 32x32 images)
+    proc = train(tmp_path, "experiment=imagenet_resnet50_recipe", f"data.root={image_folder}", "debug=fdr",
+                 "accelerator=cpu", "devices=1", "strategy=auto", "model=resnet18", "data.image_shape=[3,32,32]",
+                 "data.train_crop_size=24", "data.val_resize_size=36", "data.batch_size=6", "data.num_workers=0")  # fmt: skip
+    cfg = (run_dirs(tmp_path, "imagenet_resnet50_recipe")[0] / "config.yaml").read_text()
+    for key in ("auto_augment: ta_wide", "mixup_alpha: 0.2", "cutmix_alpha: 1.0", "label_smoothing: 0.1",
+                "lr_warmup_epochs: 5", "ema_decay: 0.999966", "norm_weight_decay: 0.0", "num_classes: 3"):  # fmt: skip
+        assert key in cfg, key
+    assert proc.returncode == 0
