@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch/torchvision pinned to the builds this starter is tested with (CUDA wheels that also run on CPU).
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install train test test-fast bench clean
+.PHONY: install train test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: install
 	$(PY) -m benchmarks.run_all

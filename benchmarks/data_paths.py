@@ -61,7 +61,9 @@ def decoders() -> dict:
     from starter.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, imagenet_transforms, load_image
 
     crop = [v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]
-    before = v2.Compose([*crop, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    before = v2.Compose(
+        [*crop, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
     on_pil = v2.Compose([*crop, v2.PILToTensor()])
 
     def pil(path):
@@ -96,12 +98,24 @@ def main() -> None:
         in_memory.append(epoch_seconds(ours))
         pil.append(epoch_seconds(per_item))
     ratio = statistics.median(pil) / statistics.median(in_memory)
-    mnist_table = markdown_table(
-        ["MNIST train epoch (60k, batch 128)", "median s", "range s"],
-        [["in memory, uint8, one indexing op a batch (this starter)", f"{statistics.median(in_memory):.2f}",
-          f"{min(in_memory):.2f}-{max(in_memory):.2f}"],
-         ["torchvision MNIST, PIL + ToTensor per item", f"{statistics.median(pil):.2f}", f"{min(pil):.2f}-{max(pil):.2f}"]],
-    ) + f"\n\nIn memory is {ratio:.1f}x faster than the per-item PIL path (target: 2.5x or more).\n"  # fmt: skip
+    mnist_table = (
+        markdown_table(
+            ["MNIST train epoch (60k, batch 128)", "median s", "range s"],
+            [
+                [
+                    "in memory, uint8, one indexing op a batch (this starter)",
+                    f"{statistics.median(in_memory):.2f}",
+                    f"{min(in_memory):.2f}-{max(in_memory):.2f}",
+                ],
+                [
+                    "torchvision MNIST, PIL + ToTensor per item",
+                    f"{statistics.median(pil):.2f}",
+                    f"{min(pil):.2f}-{max(pil):.2f}",
+                ],
+            ],
+        )
+        + f"\n\nIn memory is {ratio:.1f}x faster than the per-item PIL path (target: 2.5x or more).\n"
+    )
 
     write_jpegs(scratch / "jpeg", args.images)
     import torch
@@ -133,12 +147,22 @@ def main() -> None:
         rows.append([workers, f"{statistics.median(decode[workers]):.0f}",
                      f"{min(decode[workers]):.0f}-{max(decode[workers]):.0f}"])  # fmt: skip
     folder_table = markdown_table(
-        ["DataLoader workers", "images/s (500x375 JPEG -> RandomResizedCrop 224)", "range"], rows)
+        ["DataLoader workers", "images/s (500x375 JPEG -> RandomResizedCrop 224)", "range"], rows
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "data.md").write_text(mnist_table + "\n" + decoder_table + "\n\n" + folder_table + "\n")
-    (RESULTS / "data.json").write_text(json.dumps({"mnist_in_memory_s": in_memory, "mnist_pil_s": pil,
-                                                   "decoder_images_per_s": per_decoder,
-                                                   "imagefolder_images_per_s": decode}, indent=1) + "\n")
+    (RESULTS / "data.json").write_text(
+        json.dumps(
+            {
+                "mnist_in_memory_s": in_memory,
+                "mnist_pil_s": pil,
+                "decoder_images_per_s": per_decoder,
+                "imagefolder_images_per_s": decode,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(mnist_table + "\n" + decoder_table + "\n\n" + folder_table)
 
 

@@ -25,12 +25,26 @@ TINY = {"ResNet-18": ["model=resnet18", "channels_last=true"], "ViT (3 blocks, p
 def images_per_s(model: list[str], devices: int, args, scratch: Path) -> float:
     size = 32 if args.tiny else 224
     steps = args.warmup + args.steps
-    figures = timed_training([*model, "data=synthetic", "data.on_device=true", "strategy=ddp", f"devices={devices}",
-                              f"accelerator={args.accelerator}", f"precision={args.precision}",
-                              f"data.image_shape=[3,{size},{size}]", f"data.batch_size={args.batch_per_device * devices}",
-                              f"data.train_size={args.batch_per_device * devices * steps}", f"compile={args.compile}",
-                              "trainer.max_epochs=1", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"],
-                             scratch, warmup=args.warmup)  # fmt: skip
+    figures = timed_training(
+        [
+            *model,
+            "data=synthetic",
+            "data.on_device=true",
+            "strategy=ddp",
+            f"devices={devices}",
+            f"accelerator={args.accelerator}",
+            f"precision={args.precision}",
+            f"data.image_shape=[3,{size},{size}]",
+            f"data.batch_size={args.batch_per_device * devices}",
+            f"data.train_size={args.batch_per_device * devices * steps}",
+            f"compile={args.compile}",
+            "trainer.max_epochs=1",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+        ],
+        scratch,
+        warmup=args.warmup,
+    )
     return figures["samples"] / figures["seconds"]
 
 

@@ -29,9 +29,22 @@ KINDS = ("parameters", "gradients", "optimizer")
 
 def measure(overrides: list[str], batch: int, steps: int, scratch: Path) -> dict:
     run = scratch / f"run{len(list(scratch.iterdir()))}"
-    figures = timed_training([*VIT, *overrides, "accelerator=cpu", "callbacks=state_bytes", f"data.batch_size={batch}",
-                              f"data.train_size={batch * steps}", "trainer.max_epochs=1", "trainer.limit_val_batches=1",
-                              "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"], scratch, warmup=3)  # fmt: skip
+    figures = timed_training(
+        [
+            *VIT,
+            *overrides,
+            "accelerator=cpu",
+            "callbacks=state_bytes",
+            f"data.batch_size={batch}",
+            f"data.train_size={batch * steps}",
+            "trainer.max_epochs=1",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            f"hydra.run.dir={run}",
+        ],
+        scratch,
+        warmup=3,
+    )
     ranks = [json.loads(p.read_text()) for p in sorted((run / "state_bytes").glob("rank*.json"))]
     return {"processes": len(ranks), "samples_per_s": figures["samples"] / figures["seconds"],
             **{kind: max(r[kind] for r in ranks) for kind in (*KINDS, "peak_memory")}}  # fmt: skip

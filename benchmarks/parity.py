@@ -116,9 +116,18 @@ def main() -> None:
         overhead_ms = (batch_size / m_ours - batch_size / m_hand) * 1000
         results[batch_size] = {"train.py": ours, "bare lightning": bare, "hand loop": hand, "ratio": ratio,
                                "bare ratio": bare_ratio, "vs bare": vs_bare, "overhead_ms": overhead_ms}  # fmt: skip
-        rows.append([batch_size, f"{m_ours:,.0f}", f"{m_bare:,.0f}", f"{m_hand:,.0f}", f"{statistics.median(ratio):.2f}",
-                     f"{statistics.median(bare_ratio):.2f}", f"{statistics.median(vs_bare):.2f}",
-                     f"{overhead_ms:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                batch_size,
+                f"{m_ours:,.0f}",
+                f"{m_bare:,.0f}",
+                f"{m_hand:,.0f}",
+                f"{statistics.median(ratio):.2f}",
+                f"{statistics.median(bare_ratio):.2f}",
+                f"{statistics.median(vs_bare):.2f}",
+                f"{overhead_ms:.2f}",
+            ]
+        )
         print(rows[-1], flush=True)
     table = markdown_table(
         ["global batch", "train.py samples/s", "bare Lightning samples/s", "hand loop samples/s",

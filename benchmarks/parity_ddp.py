@@ -81,9 +81,11 @@ def main() -> None:
         [[args.batch_size, f"{m_ours:,.0f}", f"{m_hand:,.0f}", f"{statistics.median(ratios):.2f}",
           f"{min(ratios):.2f}-{max(ratios):.2f}", f"{overhead_ms:.2f}"]])  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    note = ("\nThe tutorial loop's DataLoader fetches and collates the 64 samples of each rank's batch one by one;"
-            " this starter fetches a batch with one indexing op (data/in_memory.py). That data path, not the loop,"
-            " decides this ratio; the loop's own cost is measured by the single-process parity above.")
+    note = (
+        "\nThe tutorial loop's DataLoader fetches and collates the 64 samples of each rank's batch one by one;"
+        " this starter fetches a batch with one indexing op (data/in_memory.py). That data path, not the loop,"
+        " decides this ratio; the loop's own cost is measured by the single-process parity above."
+    )
     (RESULTS / "parity_ddp.md").write_text(table + "\n" + note + "\n")
     (RESULTS / "parity_ddp.json").write_text(json.dumps({"train.py": ours, "hand": hand, "ratio": ratios}) + "\n")
     print(table)

@@ -51,10 +51,13 @@ def host_syncs_table() -> str:
     for run, ranks in json.loads((RESULTS / "host_syncs.json").read_text()).items():
         r = ranks["rank0"]
         where = ", ".join(sorted({site.split(" ")[-1] for site in r["non_logging_sites"]})) or "-"
-        rows.append(f"| `{run}` | {r['syncs_per_non_logging_step']} + {r['collectives_per_non_logging_step']} | {where} |"
-                    f" {r['syncs_per_logging_step']} + {r['collectives_per_logging_step']} |"
-                    f" {r['syncs_per_evaluation_step']} + {r['collectives_per_evaluation_step']} |")  # fmt: skip
-    head = "| run | syncs + collectives, non-logging step | from | logging step | evaluation step |\n| --- | --- | --- | --- | --- |"
+        rows.append(
+            f"| `{run}` | {r['syncs_per_non_logging_step']} + {r['collectives_per_non_logging_step']} | {where} |"
+            f" {r['syncs_per_logging_step']} + {r['collectives_per_logging_step']} |"
+            f" {r['syncs_per_evaluation_step']} + {r['collectives_per_evaluation_step']} |"
+        )
+    head = "| run | syncs + collectives, non-logging step | from | logging step | evaluation step |"
+    head += "\n| --- | --- | --- | --- | --- |"
     return head + "\n" + "\n".join(rows)
 
 
@@ -67,9 +70,11 @@ def cuda_available() -> bool:
 def gpu_section() -> str:
     if (RESULTS / "gpu_scaling.md").is_file():
         return (RESULTS / "gpu_scaling.md").read_text()
-    return ("Not measured: no CUDA on this machine. On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py`"
-            " (ResNet-50, bf16-mixed, channels_last, 1..N GPUs; `--compile` adds torch.compile). The tests run its"
-            " tiny CPU form (`--tiny --accelerator cpu`).")
+    return (
+        "Not measured: no CUDA on this machine. On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py`"
+        " (ResNet-50, bf16-mixed, channels_last, 1..N GPUs; `--compile` adds torch.compile). The tests run its"
+        " tiny CPU form (`--tiny --accelerator cpu`)."
+    )
 
 
 def main() -> None:
@@ -86,7 +91,8 @@ def main() -> None:
         f"Written by `make bench` on this machine: {os.cpu_count()} CPU cores, "
         f"{'CUDA GPUs' if cuda_available() else 'no GPU'}. Ratios compare runs made in the same invocation.",
         "## Targets", verdicts(),
-        "## Parity: train.py vs bare Lightning vs a hand-written loop, single process", (RESULTS / "parity.md").read_text(),
+        "## Parity: train.py vs bare Lightning vs a hand-written loop, single process",
+        (RESULTS / "parity.md").read_text(),
         "## Host syncs and collectives per training step", host_syncs_table(),
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
         "## Data paths", (RESULTS / "data.md").read_text(),

@@ -23,8 +23,12 @@ def wall(command: list[str], cwd: Path) -> float:
 
 def to_first_step(cwd: Path) -> float:
     marker = cwd / "first_step"
-    command = [*TRAIN, f"paths.log_dir={cwd / 'logs'}", "+callbacks.first_step._target_=benchmarks.common.ExitAtFirstStep",
-               f"+callbacks.first_step.output={marker}"]  # fmt: skip
+    command = [
+        *TRAIN,
+        f"paths.log_dir={cwd / 'logs'}",
+        "+callbacks.first_step._target_=benchmarks.common.ExitAtFirstStep",
+        f"+callbacks.first_step.output={marker}",
+    ]
     start = time.time()
     subprocess.run(command, cwd=ROOT, capture_output=True)
     return float(marker.read_text()) - start

@@ -54,7 +54,9 @@ def main() -> None:
     for strategy, precision in PAIRS:
         results[f"{strategy} / {precision}"] = measure(strategy, precision, args.size, args.batch, scratch)
         print(strategy, precision, results[f"{strategy} / {precision}"], flush=True)
-    rows = [[name, r["processes"], f"{r['samples_per_s']:.1f}", f"{r['peak_rss_mb']:.0f}"] for name, r in results.items()]
+    rows = [
+        [name, r["processes"], f"{r['samples_per_s']:.1f}", f"{r['peak_rss_mb']:.0f}"] for name, r in results.items()
+    ]
     table = markdown_table(["strategy / precision", "processes", "samples/s", "peak RSS of rank 0 (MB)"], rows)
     RESULTS.mkdir(exist_ok=True)
     header = f"ResNet-18, synthetic 3x{args.size}x{args.size}, global batch {args.batch}, CPU.\n\n"

@@ -21,7 +21,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 from starter.data.mnist import write_idx
-
 from starter.run_name import run_name
 
 ROOT = Path(__file__).resolve().parents[1]

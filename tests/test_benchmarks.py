@@ -12,7 +12,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_scaling_benchmark_runs_its_tiny_cpu_form(tmp_path):
-    command = [sys.executable, "-m", "benchmarks.gpu_scaling", "--tiny", "--accelerator", "cpu", "--results", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_scaling",
+        "--tiny",
+        "--accelerator",
+        "cpu",
+        "--results",
+        str(tmp_path),
+    ]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads((tmp_path / "gpu_scaling_tiny.json").read_text())

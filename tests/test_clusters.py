@@ -151,7 +151,9 @@ def test_devices_list_picks_gpus_by_index(gpus, tmp_path):
 
 def test_auto_accelerator_with_more_devices_than_gpus_is_one_line(gpus, tmp_path):
     gpus(1)  # strategy=ddp devices=2 on a one-GPU host: each worker used to raise Lightning's multi-line error
-    with pytest.raises(UserError, match=r"devices=2: this machine has 1 CUDA GPU\(s\); use devices=1 \(or accelerator=cpu"):
+    with pytest.raises(
+        UserError, match=r"devices=2: this machine has 1 CUDA GPU\(s\); use devices=1 \(or accelerator=cpu"
+    ):
         settled(["strategy=ddp", "devices=2"], tmp_path)
 
 

@@ -43,14 +43,17 @@ def test_digits_split_is_deterministic_disjoint_and_normalised():
 
 
 def test_two_ranks_together_load_exactly_the_single_process_global_batches():
-    single, ranks = DigitsDataModule(batch_size=64, **DIGITS), [DigitsDataModule(batch_size=64, **DIGITS) for _ in range(2)]
+    single, ranks = (
+        DigitsDataModule(batch_size=64, **DIGITS),
+        [DigitsDataModule(batch_size=64, **DIGITS) for _ in range(2)],
+    )
     for dm in (single, *ranks):
         dm.setup()
     for epoch in (0, 1):
         full = batches(as_rank(single, 1, 0).train_dataloader(), epoch)
         shards = [batches(as_rank(dm, 2, r).train_dataloader(), epoch) for r, dm in enumerate(ranks)]
         assert len(full) == len(shards[0]) == len(shards[1]) == 1257 // 64
-        for step, (x, y) in enumerate(full):
+        for step, (x, _) in enumerate(full):
             assert x.shape == (64, 1, 8, 8) and shards[0][step][0].shape == (32, 1, 8, 8)
             together = torch.cat([shards[0][step][0], shards[1][step][0]])
             assert sorted(map(tuple, together.flatten(1).tolist())) == sorted(map(tuple, x.flatten(1).tolist()))

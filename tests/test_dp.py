@@ -23,7 +23,9 @@ def classifier() -> Classifier:
 def test_dp_routes_every_step_forward_through_data_parallel_and_leaves_the_module_plain(monkeypatch, tmp_path):
     calls = []
     original = _ClassForward.forward
-    monkeypatch.setattr(_ClassForward, "forward", lambda self, *a, **k: calls.append(len(a[0])) or original(self, *a, **k))
+    monkeypatch.setattr(
+        _ClassForward, "forward", lambda self, *a, **k: calls.append(len(a[0])) or original(self, *a, **k)
+    )
     model = classifier()
     trainer = Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=1, max_steps=3, limit_val_batches=1,
                       limit_test_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

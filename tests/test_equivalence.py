@@ -97,8 +97,9 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy,workers", [("auto", 0), ("auto", 2), ("ddp", 0), ("ddp", 2)])
-def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(strategy, workers,
-                                                                                         straight, tmp_path):  # fmt: skip
+def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(
+    strategy, workers, straight, tmp_path
+):
     # Loader workers fetch ahead of training; persistent ones (as data=imagenet has them) also outlive an epoch.
     # (Persistent: fewer forks of a threaded process, each of which can hang a worker on a lock a thread held.)
     loader = [f"data.num_workers={workers}", *(["+data.persistent_workers=true"] if workers else [])]
@@ -121,8 +122,13 @@ def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_i
     last = run_dirs(tmp_path / "first")[0] / "checkpoints" / "last.ckpt"
     outputs = {}
     for mode in ("replan", "saved"):
-        proc = train(tmp_path / mode, *common, "trainer.max_epochs=2", f"ckpt_path={last}", f"resume_lr_schedule={mode}")
-        outputs[mode] = (proc.stdout + proc.stderr, torch.load(run_dirs(tmp_path / mode)[0] / "checkpoints" / "model.pt"))
+        proc = train(
+            tmp_path / mode, *common, "trainer.max_epochs=2", f"ckpt_path={last}", f"resume_lr_schedule={mode}"
+        )
+        outputs[mode] = (
+            proc.stdout + proc.stderr,
+            torch.load(run_dirs(tmp_path / mode)[0] / "checkpoints" / "model.pt"),
+        )
     said, replanned = outputs["replan"]
     assert "resumed lr schedule re-planned from the config (T_max: 1 -> 2), lr now 0.001;" in said
     assert "resume_lr_schedule=saved keeps the checkpoint's" in said

@@ -189,7 +189,8 @@ def test_sharded_checkpoint_under_another_strategy_is_refused_before_training(tm
     proc = train(tmp_path, f"ckpt_path={sharded}", expect_ok=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: ckpt_path={sharded} is a sharded (fsdp) checkpoint; resume or evaluate it with strategy=fsdp")
+        f"error: ckpt_path={sharded} is a sharded (fsdp) checkpoint; resume or evaluate it with strategy=fsdp"
+    )
     assert not list(tmp_path.glob("logs/**/metrics.csv"))
 
 
@@ -216,7 +217,10 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
     first = train(tmp_path, *again, "trainer.max_epochs=1")
     assert "ckpt_path=auto ->" not in first.stdout + first.stderr  # nothing to resume: a fresh start
     second = train(tmp_path, *again, "trainer.max_epochs=2")
-    assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in second.stdout + second.stderr
+    assert (
+        f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)"
+        in second.stdout + second.stderr
+    )
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
     with open(run_dir / "metrics.csv", newline="") as f:  # the first attempt's rows are kept, then the second's
         rows = [(int(r["epoch"]), int(r["step"])) for r in csv.DictReader(f) if r["train/loss"]]

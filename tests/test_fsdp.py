@@ -51,7 +51,9 @@ def test_a_sharded_checkpoint_is_repointed_in_one_rename_and_older_versions_go(t
 
 def test_fsdp_holds_at_most_055_of_ddp_state_per_rank(short_runs):
     for rank in (0, 1):
-        ddp, fsdp = (json.loads((short_runs[s] / "state_bytes" / f"rank{rank}.json").read_text()) for s in ("ddp", "fsdp"))
+        ddp, fsdp = (
+            json.loads((short_runs[s] / "state_bytes" / f"rank{rank}.json").read_text()) for s in ("ddp", "fsdp")
+        )
         for kind in ("parameters", "gradients", "optimizer"):
             assert fsdp[kind] <= 0.55 * ddp[kind], (rank, kind, fsdp[kind], ddp[kind])
             assert fsdp[kind] > 0
@@ -76,8 +78,15 @@ def test_fsdp_checkpoints_are_sharded_and_the_export_loads_into_a_plain_model(sh
 
 def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
     last = short_runs["fsdp"] / "checkpoints" / "last.ckpt"
-    train(tmp_path, "strategy=fsdp", f"ckpt_path={last}", *SHORT[:2], "debug=limit", "trainer.max_epochs=5",
-          "trainer.log_every_n_steps=1")
+    train(
+        tmp_path,
+        "strategy=fsdp",
+        f"ckpt_path={last}",
+        *SHORT[:2],
+        "debug=limit",
+        "trainer.max_epochs=5",
+        "trainer.log_every_n_steps=1",
+    )
     (resumed,) = run_dirs(tmp_path)
     with open(resumed / "metrics.csv", newline="") as f:
         assert {row["epoch"] for row in csv.DictReader(f) if row["train/loss"]} == {"4"}  # epochs 0-3 restored
@@ -86,7 +95,9 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
 def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself(short_runs, tmp_path):
     import shutil
 
-    planted = tmp_path / "planted.ckpt"  # a directory: the single-file pre-check does not read it, Lightning's load does
+    planted = (
+        tmp_path / "planted.ckpt"
+    )  # a directory: the single-file pre-check does not read it, Lightning's load does
     shutil.copytree((short_runs["fsdp"] / "checkpoints" / "last.ckpt").resolve(), planted)
     plant(planted / "meta.pt")
     proc = train(tmp_path, "strategy=fsdp", "train=false", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False)

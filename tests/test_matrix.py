@@ -33,7 +33,9 @@ def test_the_readme_matrix_covers_every_strategy_and_precision():
     strategies = {p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml")}
     assert {s for s, _, _ in MATRIX} == strategies
     assert {p for _, _, p in MATRIX} == set(PRECISIONS)
-    assert set(MATRIX.values()) <= {"runs", "runs as bf16-mixed"} | {v for v in MATRIX.values() if v.startswith("refused")}
+    assert set(MATRIX.values()) <= {"runs", "runs as bf16-mixed"} | {
+        v for v in MATRIX.values() if v.startswith("refused")
+    }
 
 
 RUNS = sorted(pair for pair, outcome in MATRIX.items() if outcome != "runs as bf16-mixed")

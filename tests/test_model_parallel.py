@@ -5,12 +5,19 @@ checkpoints and export a model.pt that loads into the plain net."""
 import json
 
 import pytest
-import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import (ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, sweep_jobs,
-                      train)  # fmt: skip
+from conftest import (
+    ROOT,
+    compose_config,
+    max_difference,
+    model_weights,
+    read_metrics,
+    run_dirs,
+    sweep_jobs,
+    train,  # fmt: skip
+)
 from starter.config import prepare
 from starter.errors import UserError
 
@@ -18,8 +25,16 @@ pytestmark = pytest.mark.slow
 # The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32.
 # SGD: Adam would turn rounding noise into full-size steps for parameters whose gradient is zero up to rounding
 # (an attention key bias: softmax ignores it), which says nothing about the parallel maths.
-VIT = ["model=vit", "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.05", "~model.optimizer.weight_decay",
-       "accelerator=cpu", "debug=limit", "trainer.max_epochs=4", "trainer.log_every_n_steps=1"]
+VIT = [
+    "model=vit",
+    "model.optimizer._target_=torch.optim.SGD",
+    "model.optimizer.lr=0.05",
+    "~model.optimizer.weight_decay",
+    "accelerator=cpu",
+    "debug=limit",
+    "trainer.max_epochs=4",
+    "trainer.log_every_n_steps=1",
+]
 PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 # Float summation order differs (partial sums across ranks, micro-batches): the same maths, not the same bits.
 SAME = 1e-5
@@ -92,8 +107,11 @@ def test_a_model_parallel_run_resumes_from_its_sharded_checkpoint(strategy, jobs
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["strategy=tp", "model=cnn"], "strategy=tp splits the Linear layers of model=mlp or model=vit; this model's"
-                                       " net \\(CNN\\) has none it can split"),  # fmt: skip
+        (
+            ["strategy=tp", "model=cnn"],
+            "strategy=tp splits the Linear layers of model=mlp or model=vit; this model's"
+            " net \\(CNN\\) has none it can split",
+        ),  # fmt: skip
         (["strategy=tp", "model=vit", "devices=3"], "model.net.heads=4 does not split over 3"),
         (["strategy=fsdp", "strategy.tensor_parallel_size=3", "devices=4"], "tensor_parallel_size=3 does not divide"),
         (["strategy=pp", "strategy.microbatches=5"], "data.batch_size=64 does not split into strategy.microbatches=5"),
@@ -106,8 +124,13 @@ def test_what_model_parallelism_cannot_run_is_refused_before_launch(overrides, m
         prepare(compose_config(["devices=2", "accelerator=cpu", *overrides], tmp_path))
 
 
-@pytest.mark.parametrize("strategy,message", [("tp", "strategy=tp cannot scale fp16 losses"),
-                                              ("pp", "strategy=pp cannot scale fp16 losses .* inside its schedule")])
+@pytest.mark.parametrize(
+    "strategy,message",
+    [
+        ("tp", "strategy=tp cannot scale fp16 losses"),
+        ("pp", "strategy=pp cannot scale fp16 losses .* inside its schedule"),
+    ],
+)
 def test_fp16_on_gpus_is_refused_where_nothing_scales_the_loss(strategy, message, tmp_path, monkeypatch):
     monkeypatch.setattr("starter.config.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match=message):

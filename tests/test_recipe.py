@@ -111,9 +111,21 @@ def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
 
 def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, tmp_path):
     # the recipe as it is, made small only where a 2-core CPU needs it (a ResNet-18, 32x32 images)
-    proc = train(tmp_path, "experiment=imagenet_resnet50_recipe", f"data.root={image_folder}", "debug=fdr",
-                 "accelerator=cpu", "devices=1", "strategy=auto", "model=resnet18", "data.image_shape=[3,32,32]",
-                 "data.train_crop_size=24", "data.val_resize_size=36", "data.batch_size=6", "data.num_workers=0")  # fmt: skip
+    proc = train(
+        tmp_path,
+        "experiment=imagenet_resnet50_recipe",
+        f"data.root={image_folder}",
+        "debug=fdr",
+        "accelerator=cpu",
+        "devices=1",
+        "strategy=auto",
+        "model=resnet18",
+        "data.image_shape=[3,32,32]",
+        "data.train_crop_size=24",
+        "data.val_resize_size=36",
+        "data.batch_size=6",
+        "data.num_workers=0",
+    )
     cfg = (run_dirs(tmp_path, "imagenet_resnet50_recipe")[0] / "config.yaml").read_text()
     for key in ("auto_augment: ta_wide", "mixup_alpha: 0.2", "cutmix_alpha: 1.0", "label_smoothing: 0.1",
                 "lr_warmup_epochs: 5", "ema_decay: 0.999966", "norm_weight_decay: 0.0", "num_classes: 3"):  # fmt: skip

@@ -3,10 +3,8 @@
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from omegaconf import OmegaConf
 
 from conftest import QUIET, ROOT, compose_config, read_metrics, run_dirs, sweep_jobs, train
@@ -49,10 +47,23 @@ def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
         port = s.getsockname()[1]
     nodes = [
         subprocess.Popen(
-            [*TORCHRUN, "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-             f"--master_port={port}", str(ROOT / "train.py"), "strategy=ddp", "accelerator=cpu",
-             f"paths.log_dir={tmp_path / 'logs'}", *QUIET],  # fmt: skip
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                *TORCHRUN,
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(ROOT / "train.py"),
+                "strategy=ddp",
+                "accelerator=cpu",
+                f"paths.log_dir={tmp_path / 'logs'}",
+                *QUIET,
+            ],  # fmt: skip
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]

@@ -16,8 +16,20 @@ LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, n
 def test_default_run_reaches_95_percent_test_accuracy(default_run):
     _, run_dir, _ = default_run
     metrics = read_metrics(run_dir)
-    assert set(metrics) == {"train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc", "val/acc_top5",
-                            "test/acc_top5", "val/acc_best", "train/images_per_s", "train/epoch_time", "lr"}  # fmt: skip
+    assert set(metrics) == {
+        "train/loss",
+        "train/acc",
+        "val/loss",
+        "val/acc",
+        "test/loss",
+        "test/acc",
+        "val/acc_top5",
+        "test/acc_top5",
+        "val/acc_best",
+        "train/images_per_s",
+        "train/epoch_time",
+        "lr",
+    }
     assert metrics["test/acc"] >= 0.95 and metrics["val/acc"] >= 0.95
     assert metrics["val/acc_best"] >= metrics["val/acc"] and metrics["test/acc_top5"] >= metrics["test/acc"]
 

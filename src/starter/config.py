@@ -115,8 +115,10 @@ def _settle_num_classes(cfg: DictConfig) -> None:
         return
     train = Path(cfg.data.root) / "train"
     if not train.is_dir():
-        raise UserError(f"no directory {train}: data.num_classes is read from its class folders; point data.root at"
-                        " a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give data.num_classes")  # fmt: skip
+        raise UserError(
+            f"no directory {train}: data.num_classes is read from its class folders; point data.root at"
+            " a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give data.num_classes"
+        )
     cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
 
 
@@ -182,7 +184,9 @@ def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
         log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
     elif isinstance(devices, (list, tuple, ListConfig)):
         if not on_gpu:
-            raise UserError(f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}")
+            raise UserError(
+                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
+            )
         if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
             raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
     elif on_gpu and device_count(devices) > gpus:

@@ -1,7 +1,7 @@
 """checkpoints/model.pt: the trained weights as one plain state dict, whatever the strategy, for inference.
 
-    model = hydra.utils.instantiate(OmegaConf.load("RUN_DIR/config.yaml").model)
-    model.load_state_dict(torch.load("RUN_DIR/checkpoints/model.pt"))
+model = hydra.utils.instantiate(OmegaConf.load("RUN_DIR/config.yaml").model)
+model.load_state_dict(torch.load("RUN_DIR/checkpoints/model.pt"))
 """
 
 from pathlib import Path

@@ -159,8 +159,14 @@ class ImageFolderDataModule(ShardedDataModule):
         try:
             return ImageFiles(
                 directory,
-                transform=imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
-                                              self.auto_augment, self.random_erase),  # fmt: skip
+                transform=imagenet_transforms(
+                    train,
+                    self.train_crop_size,
+                    self.val_resize_size,
+                    self.val_crop_size,
+                    self.auto_augment,
+                    self.random_erase,
+                ),  # fmt: skip
                 loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
                 skip_unreadable=self.skip_unreadable,
             )

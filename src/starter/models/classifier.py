@@ -126,7 +126,8 @@ class Classifier(L.LightningModule):
         return 1.0 if step >= warm_steps else 0.01 + 0.99 * step / warm_steps
 
     def parameter_groups(self):
-        """All parameters; with norm_weight_decay, the norm layers' (BatchNorm, LayerNorm, ...) in a group of their own."""
+        """All parameters; with norm_weight_decay, the norm layers' (BatchNorm, LayerNorm, ...) in a group of
+        their own."""
         if self.norm_weight_decay is None:
             return self.parameters()
         norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)

@@ -25,7 +25,6 @@ from starter.config import device_count, external_launcher, world_size
 from starter.errors import PREEMPTED_EXIT_CODE
 from starter.run_name import shared_store
 
-
 PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
 PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"  # other ranks: read that port on stdin
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.

@@ -21,7 +21,7 @@ def tensor_parallel_plan(net: nn.Module) -> dict:
     plan = {}
     for name, module in net.named_modules():
         children = dict(module.named_children())
-        path = (lambda child: f"{name}.{child}") if name else str
+        path = (lambda child, prefix=name: f"{prefix}.{child}") if name else str
         if {"q", "k", "v", "proj"} <= children.keys():  # attention: heads split over the ranks
             plan |= {path(p): ColwiseParallel() for p in ("q", "k", "v")} | {path("proj"): RowwiseParallel()}
         elif {"fc1", "fc2"} <= children.keys():  # a transformer block's MLP
@@ -37,7 +37,7 @@ def apply_tensor_parallel(module: nn.Module, mesh) -> None:
     """Split the layers of every net inside `module` (the LightningModule) over the ranks of `mesh`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    for name, child in module.named_children():
+    for child in module.children():
         if plan := tensor_parallel_plan(child):
             parallelize_module(child, mesh, plan)
 
