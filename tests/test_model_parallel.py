@@ -111,7 +111,7 @@ def test_a_model_parallel_run_resumes_from_its_sharded_checkpoint(strategy, jobs
             ["strategy=tp", "model=cnn"],
             "strategy=tp splits the Linear layers of model=mlp or model=vit; this model's"
             " net \\(CNN\\) has none it can split",
-        ),  # fmt: skip
+        ),
         (["strategy=tp", "model=vit", "devices=3"], "model.net.heads=4 does not split over 3"),
         (["strategy=fsdp", "strategy.tensor_parallel_size=3", "devices=4"], "tensor_parallel_size=3 does not divide"),
         (["strategy=pp", "strategy.microbatches=5"], "data.batch_size=64 does not split into strategy.microbatches=5"),

@@ -59,7 +59,7 @@ def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
                 "accelerator=cpu",
                 f"paths.log_dir={tmp_path / 'logs'}",
                 *QUIET,
-            ],  # fmt: skip
+            ],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

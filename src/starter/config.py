@@ -237,9 +237,11 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
             )
         if devices == 1:
             log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")
-    if name in ("fsdp", "tp") and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
-        # fp16 needs a sharded gradient scaler, which Lightning's ModelParallelStrategy does not provide.
-        raise UserError(f"strategy={name} cannot scale fp16 losses (16-mixed); use precision=bf16-mixed")
+    if name in ("fsdp", "tp", "pp") and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
+        # fp16 needs a sharded gradient scaler, which Lightning's ModelParallelStrategy does not provide, or (pp)
+        # one inside the pipeline schedule.
+        where = " inside its schedule" if name == "pp" else ""
+        raise UserError(f"strategy={name} cannot scale fp16 losses (16-mixed){where}; use precision=bf16-mixed")
 
 
 def _check_model_parallel(cfg: DictConfig) -> None:
@@ -263,8 +265,6 @@ def _check_model_parallel(cfg: DictConfig) -> None:
         return
     if cfg.get("compile"):
         raise UserError("compile=true with strategy=pp: the pipeline schedule runs the stages; use strategy=ddp")
-    if cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
-        raise UserError("strategy=pp cannot scale fp16 losses (16-mixed) inside its schedule; use precision=bf16-mixed")
     batch, micro = int(cfg.data.batch_size), int(cfg.strategy.microbatches)
     if batch % micro:
         raise UserError(f"data.batch_size={batch} does not split into strategy.microbatches={micro}; every process"

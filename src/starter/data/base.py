@@ -105,9 +105,7 @@ class ShardedDataModule(L.LightningDataModule):
             images = self.normalise(images)
         if self.mix is not None and self.trainer is not None and self.trainer.training:
             images, labels = self.mix(images, labels)  # labels become soft targets, rows summing to 1
-        if (
-            normalised and self.trainer is not None
-        ):  # the input dtype of the precision (bf16-true), as for any float input
+        if normalised and self.trainer is not None:  # the precision's input dtype (bf16-true), as for float input
             images = self.trainer.precision_plugin.convert_input(images)
         return images, labels
 

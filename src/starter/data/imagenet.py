@@ -166,7 +166,7 @@ class ImageFolderDataModule(ShardedDataModule):
                     self.val_crop_size,
                     self.auto_augment,
                     self.random_erase,
-                ),  # fmt: skip
+                ),
                 loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
                 skip_unreadable=self.skip_unreadable,
             )
