@@ -65,6 +65,7 @@ def test_progress_in_a_log_file_is_one_line_per_epoch(default_run):
     assert [line.split(":")[0] for line in lines] == [f"epoch {e}/20" for e in range(1, 21)]
     assert "\r" not in proc.stdout
     assert lines[-1].startswith("epoch 20/20: 19 steps in ") and "train/loss" in lines[-1] and "val/acc" in lines[-1]
+    assert not any("train/epoch_time" in line for line in lines)  # its own figure is "steps in"; not last epoch's
 
 
 def test_progress_bar_on_a_terminal_is_redrawn_a_few_times_a_second_not_at_every_step(tmp_path):

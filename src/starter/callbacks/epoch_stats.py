@@ -9,6 +9,8 @@ import time
 
 import lightning as L
 
+EPOCH_FIGURES = ("train/epoch_time", "train/images_per_s")  # logged once an epoch, at its end
+
 
 class EpochStats(L.Callback):
     def __init__(self):
@@ -27,8 +29,9 @@ class EpochStats(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this epoch's (after a resume too)
         seconds = max(self.ended - self.started, 1e-9)
-        pl_module.log("train/epoch_time", seconds)
-        pl_module.log("train/images_per_s", steps * trainer.datamodule.batch_size / seconds)  # the global batch
+        epoch_time, images_per_s = EPOCH_FIGURES
+        pl_module.log(epoch_time, seconds)
+        pl_module.log(images_per_s, steps * trainer.datamodule.batch_size / seconds)  # the global batch
         if self.lr is not None:
             pl_module.log("lr", self.lr)
         if self.best is not None:  # validation ran before this hook

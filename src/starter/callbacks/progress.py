@@ -9,15 +9,19 @@ import time
 
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
+from starter.callbacks.epoch_stats import EPOCH_FIGURES
+
 
 def progress_bar(refresh_s: float = 0.25) -> ProgressBar:
     return TimedBar(refresh_s) if sys.stdout.isatty() else EpochLines()
 
 
 def logged_training_values(trainer, values: dict[str, float]) -> None:
-    """At a logging step: the module's `train/...` values, read (one host sync) into `values`."""
+    """At a logging step: the module's `train/...` values, read (one host sync) into `values`. Not the epoch's
+    figures (epoch_stats.py): during an epoch, callback_metrics still hold the previous epoch's."""
     if trainer.global_step % trainer.log_every_n_steps == 0:
-        values.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+        metrics = trainer.callback_metrics.items()
+        values.update({k: float(v) for k, v in metrics if k.startswith("train/") and k not in EPOCH_FIGURES})
 
 
 class TimedBar(TQDMProgressBar):
