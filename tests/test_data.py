@@ -161,6 +161,17 @@ def test_skip_unreadable_leaves_the_image_out_and_counts_it_across_worker_proces
     assert dm.unreadable_images() == [str(bad)]
 
 
+def test_loaders_pin_host_memory_exactly_when_batches_go_to_a_gpu():
+    # a copy from pageable memory waits for the GPU's queued work: pinned memory lets the step run ahead
+    def loader_of_process_on(device: str):
+        dm = SyntheticDataModule(batch_size=8, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        dm.setup()
+        return dm.train_dataloader()
+
+    assert loader_of_process_on("cuda").pin_memory and not loader_of_process_on("cpu").pin_memory
+
+
 def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     dm = SyntheticDataModule(batch_size=4, train_size=8, eval_size=4, image_shape=[3, 224, 224], num_classes=1000)
     dm.setup()

@@ -106,10 +106,12 @@ def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself
     assert len(errors) == 1 and "holds pickled objects besides tensors" in errors[0] and "Traceback" not in proc.stderr
 
 
-def test_fsdp_with_channels_last_runs_a_conv_net_on_nhwc_activations(tmp_path):
+def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activations(tmp_path):
     # FSDP2 refuses non-contiguous (channels_last) parameters: the inputs are made channels_last instead.
+    # BatchNorm under bf16-mixed keeps fp32 weights beside its fp32 statistics (a bf16 weight failed on GPU).
     probe = tmp_path / "probe"
-    train(tmp_path, "strategy=fsdp", "model=cnn", "channels_last=true", *SHORT[:2], "debug=limit",
+    train(tmp_path, "strategy=fsdp", "model=resnet18", "precision=bf16-mixed", "channels_last=true", *SHORT[:2],
+          "data.batch_size=16", "debug=limit",
           "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
           f"+callbacks.probe.output={probe}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
     assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]

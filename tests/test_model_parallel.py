@@ -49,9 +49,11 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """tp and pp (1f1b, 4 micro-batches) on 2 processes each, as users sweep them: `-m strategy=tp,pp`."""
+    """tp and pp (1f1b, 4 micro-batches) on 2 processes each, as users sweep them: `-m strategy=tp,pp`; with the
+    multi-tensor (foreach) optimizer kernels that CUDA uses by default (tp failed with them on GPU)."""
     tmp_path = tmp_path_factory.mktemp("sweep")
-    train(tmp_path, "-m", "strategy=tp,pp", "devices=2", *VIT, "+callbacks.shards._target_=probes.RecordShardFractions",
+    train(tmp_path, "-m", "strategy=tp,pp", "devices=2", *VIT, "+model.optimizer.foreach=true",
+          "+callbacks.shards._target_=probes.RecordShardFractions",
           "+callbacks.shards.output=${paths.output_dir}/shards", env=PROBES)  # fmt: skip
     tp, pp = sweep_jobs(tmp_path)
     return {"tp": tp, "pp": pp}

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import compose_config, max_difference, model_weights, read_metrics, run_dirs, train
 
 LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
 
@@ -243,3 +243,29 @@ def test_metrics_json_is_flat_json(default_run):
     _, run_dir, _ = default_run
     data = json.loads((run_dir / "metrics.json").read_text())
     assert all(isinstance(v, float) for v in data.values())
+
+
+def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_path):
+    # A callback, so that ddp_spawn's fresh interpreters get it too (an H100 run at precision=32 showed they did not).
+    from types import SimpleNamespace
+
+    from starter.callbacks.tf32 import TF32
+
+    def process_on(device: str):
+        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+
+    from starter.run import built_in_callbacks
+
+    (tf32,) = [c for c in built_in_callbacks(compose_config([], tmp_path)) if isinstance(c, TF32)]
+    assert tf32.enabled  # the default, tf32: true
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        TF32(True).setup(process_on("cpu"), None, "fit")
+        assert torch.get_float32_matmul_precision() == before[0]
+        TF32(True).setup(process_on("cuda"), None, "fit")
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        TF32(False).setup(process_on("cuda"), None, "fit")
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

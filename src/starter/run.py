@@ -19,6 +19,7 @@ from starter.callbacks.compile import CompileModule
 from starter.callbacks.epoch_stats import EpochStats
 from starter.callbacks.progress import progress_bar
 from starter.callbacks.resume_schedule import ResumeSchedule
+from starter.callbacks.tf32 import TF32
 from starter.config import external_launcher
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.export import save_full_weights
@@ -37,8 +38,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
     _silence_known_noise()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.accelerator in ("gpu", "cuda"):
-        use_tf32(bool(cfg.get("tf32", True)))
     datamodule = build(cfg.data)
     model = build(cfg.model)
     if cfg.get("channels_last"):
@@ -108,9 +107,9 @@ def build(node, **kwargs):
 
 
 def built_in_callbacks(cfg: DictConfig) -> list:
-    """What the config asks for: the resumed lr schedule and the per-epoch figures (always), an exponential moving
-    average of the weights (model.ema_decay), torch.compile in the training process, and the progress display (a
-    throttled bar on a terminal, a line per epoch in a log)."""
+    """What the config asks for: TF32 on GPUs (set in every process), the resumed lr schedule and the per-epoch
+    figures (always), an exponential moving average of the weights (model.ema_decay), torch.compile in the
+    training process, and the progress display (a throttled bar on a terminal, a line per epoch in a log)."""
     compiling = [CompileModule(**cfg.get("compile_options", {}))] if cfg.get("compile") else []
     bar = [progress_bar()] if cfg.trainer.get("enable_progress_bar", True) else []
     averaging = []
@@ -118,7 +117,8 @@ def built_in_callbacks(cfg: DictConfig) -> list:
         from starter.callbacks.weight_averaging import AveragedWeights
 
         averaging = [AveragedWeights(decay=float(cfg.model.ema_decay))]
-    return [ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), EpochStats(), *averaging, *compiling, *bar]
+    tf32 = TF32(bool(cfg.get("tf32", True)))
+    return [tf32, ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), EpochStats(), *averaging, *compiling, *bar]
 
 
 def cluster_environment(cfg: DictConfig) -> list:
@@ -130,12 +130,6 @@ def cluster_environment(cfg: DictConfig) -> list:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     return [LightningEnvironment()]
-
-
-def use_tf32(enabled: bool) -> None:
-    """float32 matmuls and convolutions on TF32 tensor cores (GPUs that have them), or strictly float32."""
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:

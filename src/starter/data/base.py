@@ -30,7 +30,7 @@ class ShardedDataModule(L.LightningDataModule):
         num_classes: int,
         seed: int = 0,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool = True,
         persistent_workers: bool = False,
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
@@ -70,7 +70,8 @@ class ShardedDataModule(L.LightningDataModule):
         options = dict(
             collate_fn=getattr(dataset, "collate_fn", None),  # a data set may batch itself (TensorPairs)
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),  # else torch warns on every loader
+            # pinned host memory: a copy from pageable memory would wait for the GPU's queued work every step
+            pin_memory=self.pin_memory and self._feeds_cuda(),
             persistent_workers=self.persistent_workers,
         )
         if split == "train":
@@ -85,6 +86,10 @@ class ShardedDataModule(L.LightningDataModule):
         or of one pipeline train on the same batch, so they share a place; without a strategy, (1, 0)."""
         shard = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
         return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
+
+    def _feeds_cuda(self) -> bool:
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        return device.type == "cuda" if device is not None else torch.cuda.is_available()
 
     def _training_progress(self) -> tuple[int, int]:
         """(batches trained in this epoch, batches an epoch trains), for resuming mid-epoch."""

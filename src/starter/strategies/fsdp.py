@@ -47,7 +47,7 @@ def apply_fsdp(module: nn.Module, mesh, units: list[nn.Module], reshard_after_fo
                bf16_mixed: bool = False):  # fmt: skip
     """Shard every unit, then each parameter-holding child of `module` as a root for what the units leave.
     `bf16_mixed`: parameters are all-gathered and computed with in bf16 (half the bytes of each all-gather),
-    gradients reduce-scattered in fp32, and the optimizer steps the fp32 shards."""
+    gradients reduce-scattered in fp32, and the optimizer steps the fp32 shards; BatchNorm stays in fp32."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -57,6 +57,12 @@ def apply_fsdp(module: nn.Module, mesh, units: list[nn.Module], reshard_after_fo
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16_mixed else MixedPrecisionPolicy(),
     )
+    if bf16_mixed:  # BatchNorm keeps fp32 weights and running statistics (as FSDP1's mixed precision does): a
+        # bf16 weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its input
+        # left in bf16 (batch norm takes bf16 input with fp32 weights)
+        norm = dict(kwargs, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False))
+        for batch_norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(batch_norm, **norm)
     for unit in units:
         fully_shard(unit, **kwargs)
     for child in module.children():

@@ -52,3 +52,19 @@ class TensorParallelStrategy(OutsideModelParallel):
 
     def parallelize(self, module: nn.Module) -> None:
         apply_tensor_parallel(module, self.device_mesh["tensor_parallel"])
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        step_one_by_one_where_split_and_replicated_mix(self.optimizers)
+
+
+def step_one_by_one_where_split_and_replicated_mix(optimizers) -> None:
+    """The split layers' parameters are DTensors, the replicated ones plain tensors: torch's multi-tensor
+    (foreach) optimizer kernels, the default on CUDA, refuse the two in one parameter group. Such a group
+    steps its parameters one by one (same maths); under 2D every parameter is a DTensor and nothing changes."""
+    from torch.distributed.tensor import DTensor
+
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if "foreach" in group and len({isinstance(p, DTensor) for p in group["params"]}) > 1:
+                group["foreach"] = False

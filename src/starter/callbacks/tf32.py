@@ -1,0 +1,17 @@
+"""`tf32`: float32 matmuls and convolutions on TF32 tensor cores (GPUs that have them, Ampere and later), or
+strictly float32. Process-wide settings of torch, so they are applied where Lightning sets each process up:
+ddp_spawn's processes start as fresh interpreters and would otherwise train in strict float32 (seen on an
+H100: a ddp_spawn run at precision=32 reached a different accuracy from every other strategy)."""
+
+import lightning as L
+import torch
+
+
+class TF32(L.Callback):
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.strategy.root_device.type == "cuda":  # on CPU "high" could let oneDNN use bf16 arithmetic
+            torch.set_float32_matmul_precision("high" if self.enabled else "highest")
+            torch.backends.cudnn.allow_tf32 = self.enabled
