@@ -71,6 +71,15 @@ def test_the_class_count_is_read_from_the_folder_unless_given(image_folder, tmp_
         prepare(cfg)
 
 
+def test_a_vit_is_refused_crop_sizes_other_than_the_one_it_was_built_for(image_folder, tmp_path):
+    common = ["data=imagenet", f"data.root={image_folder}", "accelerator=cpu", "model=vit"]
+    cfg = compose_config([*common, "data.val_crop_size=256", "data.val_resize_size=288"], tmp_path)
+    with pytest.raises(UserError, match="takes 224x224 images only .* but data.val_crop_size=256; use 224"):
+        prepare(cfg)
+    prepare(compose_config([*common, "data.train_crop_size=224"], tmp_path))  # the size it takes: fine
+    prepare(compose_config([*common, "model=resnet18", "data.train_crop_size=176"], tmp_path))  # any size: fine
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["strategy=ddp", "devices=2"], "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU"),
     (["strategy=fsdp", "devices=2"], "sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy=fsdp"),

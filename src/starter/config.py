@@ -97,6 +97,8 @@ def prepare(cfg: DictConfig) -> None:
     _check_model_parallel(cfg)
     _check_sync_batchnorm(cfg)
     _check_weight_averaging(cfg)
+    _check_fixed_input_size(cfg)
+    _check_logger_packages(cfg)
     per_process_batch_size(int(cfg.data.batch_size), data_parallel_size(cfg))
     _check_nodes(cfg)
     _redirect_fp16_on_cpu(cfg)
@@ -120,6 +122,27 @@ def _settle_num_classes(cfg: DictConfig) -> None:
             " a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give data.num_classes"
         )
     cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
+
+
+def _check_logger_packages(cfg: DictConfig) -> None:
+    import importlib.util
+
+    extras = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}
+    for name in cfg.get("logger") or {}:
+        if name in extras and not any(importlib.util.find_spec(m) for m in (name, f"{name}X")):  # tensorboardX
+            raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
+                            f" (or pip install {name})")  # fmt: skip
+
+
+def _check_fixed_input_size(cfg: DictConfig) -> None:
+    """A net built for one image size (a ViT's position embedding) must get that size in training and evaluation."""
+    size = cfg.model.net.get("image_size")
+    crops = {key: cfg.data.get(key) for key in ("train_crop_size", "val_crop_size")}
+    if size is None or all(crop in (None, size) for crop in crops.values()):
+        return
+    given = ", ".join(f"data.{key}={crop}" for key, crop in crops.items() if crop not in (None, size))
+    raise UserError(f"the net takes {size}x{size} images only (model.net.image_size, from data.image_shape) "
+                    f"but {given}; use {size}, or change data.image_shape")  # fmt: skip
 
 
 def _check_weight_averaging(cfg: DictConfig) -> None:

@@ -49,6 +49,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         logger=[build(lg) for lg in cfg.logger.values()] or False,
         plugins=[build(p) for p in cfg.trainer.get("plugins") or []] + cluster_environment(cfg),
     )
+    log_config(trainer, cfg)
     if cfg.ckpt_path:
         check_checkpoint_fits(model, Path(cfg.ckpt_path))
     metrics: dict[str, float] = {}
@@ -73,12 +74,33 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
         write_run_outputs(Path(cfg.paths.output_dir), metrics)
+    end_logger_runs(trainer)
     if torch.distributed.is_initialized():
         # Leaving a gloo process group to interpreter shutdown can abort a rank on exit ("terminate called
         # without an active exception", exit -6) after a successful run: close it while every rank is here.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return metrics
+
+
+def log_config(trainer, cfg: DictConfig) -> None:
+    """The run's config as the loggers' parameters (MLflow params, W&B config, TensorBoard hparams), from rank 0;
+    the CSV logger's run directory already has it in config.yaml."""
+    from lightning.pytorch.loggers import CSVLogger
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.to_container(cfg, resolve=True)
+    for logger in trainer.loggers:
+        if not isinstance(logger, CSVLogger):
+            logger.log_hyperparams(params)
+
+
+def end_logger_runs(trainer) -> None:
+    """Lightning leaves a W&B run open until the process exits; the next job of a multirun (same process) would
+    log into it. Ended here, after fit and test, so each job is a run of its own."""
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 KNOWN_NOISE = (

@@ -88,7 +88,7 @@ class ShardedDataModule(L.LightningDataModule):
         return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
     def _feeds_cuda(self) -> bool:
-        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)  # None: no trainer yet
         return device.type == "cuda" if device is not None else torch.cuda.is_available()
 
     def _training_progress(self) -> tuple[int, int]:
