@@ -140,3 +140,41 @@ def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, t
                 "lr_warmup_epochs: 5", "ema_decay: 0.999966", "norm_weight_decay: 0.0", "num_classes: 3"):  # fmt: skip
         assert key in cfg, key
     assert proc.returncode == 0
+
+
+def test_the_weight_average_updates_without_reading_the_device_and_restarts_during_warm_up(monkeypatch):
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from starter.callbacks.weight_averaging import AveragedWeights
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.norm = torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)  # float and integer buffers
+
+    module, trainer = Tiny(), SimpleNamespace(current_epoch=0)
+    ema = AveragedWeights(decay=0.9, warmup_epochs=1)
+    ema.setup(trainer, module, "fit")
+    update, expected = ema._average_model.update_parameters, None
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("the update read a tensor on the host")
+
+    for step in range(5):
+        trainer.current_epoch = step // 2  # 2 steps of warm-up epoch 0, then epoch 1
+        with torch.no_grad():
+            module.layer.weight.add_(1.0)
+            module.norm.num_batches_tracked.add_(1)
+        current = module.layer.weight.detach().clone()
+        expected = current if trainer.current_epoch < 1 else expected + 0.1 * (current - expected)
+        with monkeypatch.context() as patched:
+            if step > 0:  # the first update reads the count once (a resumed average continues it)
+                for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
+                    patched.setattr(torch.Tensor, name, host_read)
+            update(module)
+        averaged = ema._average_model.module
+        assert torch.allclose(averaged.layer.weight, expected, atol=1e-6)
+    assert averaged.norm.num_batches_tracked.item() == 5 and ema._average_model.n_averaged.item() == 5
+    assert not torch.allclose(averaged.layer.weight, module.layer.weight)  # it lags after the warm-up

@@ -138,7 +138,8 @@ def built_in_callbacks(cfg: DictConfig) -> list:
     if cfg.model.get("ema_decay") is not None:  # validation, test, best.ckpt and model.pt get the averaged weights
         from starter.callbacks.weight_averaging import AveragedWeights
 
-        averaging = [AveragedWeights(decay=float(cfg.model.ema_decay))]
+        warmup = int(cfg.model.get("lr_warmup_epochs") or 0)
+        averaging = [AveragedWeights(decay=float(cfg.model.ema_decay), warmup_epochs=warmup)]
     tf32 = TF32(bool(cfg.get("tf32", True)))
     return [tf32, ResumeSchedule(cfg.get("resume_lr_schedule", "replan")), EpochStats(), *averaging, *compiling, *bar]
 

@@ -2,16 +2,53 @@
 
 Lightning's EMAWeightAveraging keeps the average beside the model, swaps it in for validation, saves it as the
 checkpoint's `state_dict` (the raw weights as `current_model_state`) and copies it into the model when training
-ends, so model.pt holds it too. One change: evaluating a checkpoint (the test that follows fit included) uses
-its averaged weights. Lightning's callback, still holding the average from fit, would load the raw weights into
-the model there, and the run would test weights that neither best.ckpt nor model.pt holds.
+ends, so model.pt holds it too. Two changes:
+- Evaluating a checkpoint (the test that follows fit included) uses its averaged weights. Lightning's callback,
+  still holding the average from fit, would load the raw weights into the model there, and the run would test
+  weights that neither best.ckpt nor model.pt holds.
+- The update is one multi-tensor lerp with the update count kept on the host. torch's AveragedModel reads its
+  count from the device twice per update (two host syncs per step) and updates parameter by parameter. As in
+  torchvision's reference, the average restarts from the current weights during the lr warm-up epochs.
 """
 
+from itertools import chain
+
+import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 
 
 class AveragedWeights(EMAWeightAveraging):
+    def __init__(self, decay: float, warmup_epochs: int = 0):
+        super().__init__(decay=decay)
+        self.decay, self.warmup_epochs = decay, warmup_epochs
+        self.trainer = None
+        self.updates: int | None = None  # read from the average once per fit: a resume continues its count
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self.trainer, self.updates = trainer, None
+            self._average_model.update_parameters = self.update_without_sync
+
+    def update_without_sync(self, model: torch.nn.Module) -> None:
+        average = self._average_model
+        if self.updates is None:
+            self.updates = int(average.n_averaged)
+        pairs = zip(average.module.parameters(), model.parameters())
+        if average.use_buffers:
+            pairs = chain(pairs, zip(average.module.buffers(), model.buffers()))
+        pairs = [(a.detach(), c.detach()) for a, c in pairs]
+        restart = self.updates == 0 or self.trainer.current_epoch < self.warmup_epochs
+        blended = [(a, c) for a, c in pairs if a.is_floating_point() and not restart]
+        copied = [(a, c) for a, c in pairs if not (a.is_floating_point() and not restart)]  # integer buffers too
+        if blended:
+            torch._foreach_lerp_([a for a, _ in blended], [c for _, c in blended], 1 - self.decay)
+        if copied:
+            torch._foreach_copy_([a for a, _ in copied], [c for _, c in copied])
+        average.n_averaged += 1  # on the device, not read
+        self.updates += 1
+
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # a resume: the raw weights train on, the average goes on
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
