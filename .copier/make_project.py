@@ -16,7 +16,12 @@ TEMPLATE_PACKAGE = "starter"
 
 def main(package: str, title: str) -> None:
     root = Path.cwd()
-    shutil.move(root / "src" / TEMPLATE_PACKAGE, root / "src" / package)
+    template_package, package_dir = root / "src" / TEMPLATE_PACKAGE, root / "src" / package
+    for source in sorted(p for p in template_package.rglob("*") if p.is_file()):  # `copier update` renders the
+        target = package_dir / source.relative_to(template_package)  # template's files over an existing package
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(source, target)
+    shutil.rmtree(template_package)
     for path in root.rglob("*"):
         if not path.is_file() or ".git" in path.parts or path.name == ".copier-answers.yml":
             continue
