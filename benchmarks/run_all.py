@@ -11,7 +11,7 @@ import sys
 from benchmarks.common import RESULTS, ROOT
 
 BENCHMARKS = ["parity", "parity_ddp", "data_paths", "host_syncs", "startup", "strategy_matrix", "model_parallel_memory",
-              "gpu_scaling"]  # fmt: skip
+              "gpu_scaling", "gpu_matrix"]  # fmt: skip
 RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
 
 
@@ -77,11 +77,17 @@ def gpu_section() -> str:
     )
 
 
+def gpu_matrix_section() -> str:
+    if (RESULTS / "gpu_matrix.md").is_file():
+        return (RESULTS / "gpu_matrix.md").read_text()
+    return "Not measured: no CUDA on this machine (`python -m benchmarks.gpu_matrix` on a GPU host)."
+
+
 def main() -> None:
     names = [] if sys.argv[1:] == ["--report-only"] else sys.argv[1:] or BENCHMARKS
     for name in names:
-        if name == "gpu_scaling" and not cuda_available():
-            print("== gpu_scaling: no CUDA here, skipped (see RESULTS.md)", flush=True)
+        if name.startswith("gpu_") and not cuda_available():
+            print(f"== {name}: no CUDA here, skipped (see RESULTS.md)", flush=True)
             continue
         print(f"== {name}", flush=True)
         for args in RUNS.get(name, [[]]):
@@ -101,6 +107,7 @@ def main() -> None:
         "## Which mode when: state per rank (ViT, CPU)", (RESULTS / "model_parallel_memory.md").read_text(),
         "![strategy x precision](results/strategy_matrix.png)",
         "## GPU scaling", gpu_section(),
+        "## One GPU: every strategy x precision", gpu_matrix_section(),
     ]  # fmt: skip
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
     print((ROOT / "benchmarks" / "RESULTS.md").read_text())
