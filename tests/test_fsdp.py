@@ -111,7 +111,7 @@ def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activat
     # BatchNorm under bf16-mixed keeps fp32 weights beside its fp32 statistics (a bf16 weight failed on GPU).
     probe = tmp_path / "probe"
     train(tmp_path, "strategy=fsdp", "model=resnet18", "precision=bf16-mixed", "channels_last=true", *SHORT[:2],
-          "data.batch_size=16", "debug=limit",
+          "data.batch_size=16", "debug=limit", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
           "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
           f"+callbacks.probe.output={probe}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
     assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]
