@@ -31,7 +31,7 @@ def overrides(model: list[str], devices: int, args) -> list[str]:
         *model,
         "data=synthetic",
         "data.on_device=true",
-        "strategy=ddp",
+        f"strategy={args.strategy}",
         f"devices={devices}",
         f"accelerator={args.accelerator}",
         f"precision={args.precision}",
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--strategy", default="ddp", help="e.g. auto at one device: is ddp's wrapper the cost?")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on CPU: checks the path, not the speed")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -126,9 +127,10 @@ def main() -> None:
         rows += [[name, n, f"{ips:,.0f}", f"{ips / n:,.0f}", f"{ips / (n * base):.2f}",
                   f"{base / hand:.2f} ({hand:,.0f})" if n == 1 else ""]
                  for n, ips in results[name].items() if n in counts]  # fmt: skip
-    header = (f"{'32x32, CPU (a check of the path, not a speed)' if args.tiny else '224x224'}, {args.precision}, "
-              f"ddp at every count, {args.batch_per_device} images per device per step, images on the device, "
-              f"{args.steps} steps timed after {args.warmup}{', torch.compile' if args.compile else ''}")  # fmt: skip
+    size = "32x32, CPU (a check of the path, not a speed)" if args.tiny else "224x224"
+    compiled = ", torch.compile" if args.compile else ""
+    header = (f"{size}, {args.precision}, {args.strategy} at every count, {args.batch_per_device} images per device "
+              f"per step, images on the device, {args.steps} steps timed after {args.warmup}{compiled}")  # fmt: skip
     columns = [
         "model",
         "devices",
