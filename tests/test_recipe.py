@@ -12,6 +12,7 @@ from conftest import ROOT, compose_config, max_difference, model_weights, read_m
 from starter.config import prepare
 from starter.data.base import batch_mixing
 from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
+from starter.data.synthetic import SyntheticDataModule
 from starter.errors import UserError
 from starter.models.classifier import Classifier
 
@@ -178,3 +179,21 @@ def test_the_weight_average_updates_without_reading_the_device_and_restarts_duri
         assert torch.allclose(averaged.layer.weight, expected, atol=1e-6)
     assert averaged.norm.num_batches_tracked.item() == 5 and ema._average_model.n_averaged.item() == 5
     assert not torch.allclose(averaged.layer.weight, module.layer.weight)  # it lags after the warm-up
+
+
+def test_repeated_augmentation_puts_each_images_copies_on_consecutive_ranks_and_keeps_the_epoch_length():
+    from starter.data.repeated_augmentation import RepeatedAugmentationSampler
+
+    data = list(range(12))
+    ranks = [RepeatedAugmentationSampler(data, num_replicas=2, rank=r, repetitions=3, seed=7) for r in (0, 1)]
+    for epoch in (0, 1):
+        for sampler in ranks:
+            sampler.set_epoch(epoch)
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+        stream = [i for i in order for _ in range(3)]  # each image 3 times in a row, dealt to the ranks in turn
+        assert [list(s) for s in ranks] == [stream[0::2][:6], stream[1::2][:6]]
+        assert len(ranks[0]) == len(ranks[1]) == 6  # 12 images // 2 ranks: as many steps as without it
+        assert list(ranks[0])[0] == list(ranks[1])[0]  # the first image on both ranks, augmented twice
+    dm = SyntheticDataModule(batch_size=4, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8, ra_reps=2)
+    dm.setup()
+    assert isinstance(dm.train_dataloader().batch_sampler.sampler, RepeatedAugmentationSampler)

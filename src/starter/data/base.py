@@ -18,6 +18,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from starter.config import per_process_batch_size
+from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.errors import UserError
 
@@ -34,6 +35,7 @@ class ShardedDataModule(L.LightningDataModule):
         persistent_workers: bool = False,
         mixup_alpha: float = 0.0,
         cutmix_alpha: float = 0.0,
+        ra_reps: int = 0,
     ):
         super().__init__()
         self.batch_size = int(batch_size)
@@ -47,6 +49,7 @@ class ShardedDataModule(L.LightningDataModule):
         self.value_range, self.mean, self.std = 255.0, (0.5,) * self.image_shape[0], (0.5,) * self.image_shape[0]
         self._statistics: list[torch.Tensor] | None = None
         self.mix = batch_mixing(float(mixup_alpha), float(cutmix_alpha), self.num_classes)
+        self.ra_reps = int(ra_reps)  # repeated augmentation: each image this many times an epoch (0: off)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -75,7 +78,10 @@ class ShardedDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers,
         )
         if split == "train":
-            sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
+            if self.ra_reps > 0:
+                sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)
+            else:
+                sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
             batches = ResumableBatches(sampler, batch_size, drop_last=True)
             return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
