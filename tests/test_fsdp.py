@@ -95,9 +95,8 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
 def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself(short_runs, tmp_path):
     import shutil
 
-    planted = (
-        tmp_path / "planted.ckpt"
-    )  # a directory: the single-file pre-check does not read it, Lightning's load does
+    # a directory: the single-file pre-check does not read it, Lightning's load does
+    planted = tmp_path / "planted.ckpt"
     shutil.copytree((short_runs["fsdp"] / "checkpoints" / "last.ckpt").resolve(), planted)
     plant(planted / "meta.pt")
     proc = train(tmp_path, "strategy=fsdp", "train=false", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False)

@@ -156,6 +156,7 @@ def test_the_weight_average_updates_without_reading_the_device_and_restarts_duri
             self.layer, self.norm = torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)  # float and integer buffers
 
     module, trainer = Tiny(), SimpleNamespace(current_epoch=0)
+    module.trainer = trainer  # the update reads the epoch from the module it averages
     ema = AveragedWeights(decay=0.9, warmup_epochs=1)
     ema.setup(trainer, module, "fit")
     update, expected = ema._average_model.update_parameters, None

@@ -128,8 +128,9 @@ def _check_logger_packages(cfg: DictConfig) -> None:
     import importlib.util
 
     extras = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}
+    modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
     for name in cfg.get("logger") or {}:
-        if name in extras and not any(importlib.util.find_spec(m) for m in (name, f"{name}X")):  # tensorboardX
+        if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
             raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
                             f" (or pip install {name})")  # fmt: skip
 

@@ -22,16 +22,16 @@ class AveragedWeights(EMAWeightAveraging):
     def __init__(self, decay: float, warmup_epochs: int = 0):
         super().__init__(decay=decay)
         self.decay, self.warmup_epochs = decay, warmup_epochs
-        self.trainer = None
         self.updates: int | None = None  # read from the average once per fit: a resume continues its count
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
-            self.trainer, self.updates = trainer, None
+            self.updates = None
             self._average_model.update_parameters = self.update_without_sync
 
-    def update_without_sync(self, model: torch.nn.Module) -> None:
+    def update_without_sync(self, model) -> None:
+        """`model`: the LightningModule being trained."""
         average = self._average_model
         if self.updates is None:
             self.updates = int(average.n_averaged)
@@ -39,9 +39,11 @@ class AveragedWeights(EMAWeightAveraging):
         if average.use_buffers:
             pairs = chain(pairs, zip(average.module.buffers(), model.buffers()))
         pairs = [(a.detach(), c.detach()) for a, c in pairs]
-        restart = self.updates == 0 or self.trainer.current_epoch < self.warmup_epochs
-        blended = [(a, c) for a, c in pairs if a.is_floating_point() and not restart]
-        copied = [(a, c) for a, c in pairs if not (a.is_floating_point() and not restart)]  # integer buffers too
+        if self.updates == 0 or model.trainer.current_epoch < self.warmup_epochs:  # (re)start from the weights
+            blended, copied = [], pairs
+        else:  # integer buffers (BatchNorm's batch count) take the current value
+            blended = [(a, c) for a, c in pairs if a.is_floating_point()]
+            copied = [(a, c) for a, c in pairs if not a.is_floating_point()]
         if blended:
             torch._foreach_lerp_([a for a, _ in blended], [c for _, c in blended], 1 - self.decay)
         if copied:
