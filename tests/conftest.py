@@ -12,6 +12,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -165,6 +166,13 @@ class Planted:
         return print, ("CODE FROM THE CHECKPOINT RAN",)
 
 
+def as_rank(datamodule, world: int, rank: int):
+    """A DataModule as rank `rank` of `world` processes sees it, without starting them."""
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world, "rank": rank})
+    datamodule.trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=strategy)
+    return datamodule
+
+
 def plant(checkpoint_file: Path) -> None:
     """Add a Planted object to a checkpoint file, as a tampered checkpoint would hold one."""
     import torch
@@ -188,24 +196,6 @@ def mnist_dir(tmp_path: Path) -> Path:
         write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
     return tmp_path / "data"
-
-
-@pytest.fixture
-def image_folder(tmp_path: Path) -> Path:
-    """An ImageFolder tree of 3 classes, 6 train and 2 val JPEGs each, whose colour gives the class."""
-    from PIL import Image
-
-    root = tmp_path / "images"
-    colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "fox": (30, 30, 200)}
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 6), ("val", 2)):
-        for name, colour in colours.items():
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                pixels = np.clip(np.array(colour) + rng.integers(-20, 20, (40, 48, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.JPEG", quality=90)
-    return root
 
 
 @pytest.fixture(scope="session")

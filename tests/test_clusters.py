@@ -157,11 +157,6 @@ def test_auto_accelerator_with_more_devices_than_gpus_is_one_line(gpus, tmp_path
         settled(["strategy=ddp", "devices=2"], tmp_path)
 
 
-def test_local_launcher_lets_each_job_see_its_gpus(tmp_path):
-    cfg = compose_config(["launcher=local", "strategy=ddp", "devices=2"], tmp_path, keep_hydra=True)
-    assert cfg.hydra.launcher.gpus_per_node == 2  # submitit sets CUDA_VISIBLE_DEVICES to that many (0 hid all)
-
-
 def test_dp_with_compile_is_refused_in_one_line(gpus, tmp_path):
     gpus(2)
     with pytest.raises(UserError, match="compile=true with strategy=dp: .* use strategy=ddp"):

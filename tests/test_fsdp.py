@@ -9,8 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, plant, read_metrics, run_dirs, train
-from starter.strategies.fsdp import sharding_units
+from conftest import plant, read_metrics, run_dirs, train
 from starter.strategies.model_parallel import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -26,16 +25,6 @@ def short_runs(tmp_path_factory):
         train(tmp_path, f"strategy={strategy}", *SHORT)
         (runs[strategy],) = run_dirs(tmp_path)
     return runs
-
-
-def test_sharding_units_are_the_outermost_matching_modules():
-    from starter.models.nets.resnet import ResNet
-
-    net = ResNet(18, 10)
-    units = sharding_units(net, ["BasicBlock", "Linear", "Conv2d"])
-    assert sum(type(u).__name__ == "BasicBlock" for u in units) == 8  # 4 stages x 2 blocks
-    assert {type(u).__name__ for u in units} == {"BasicBlock", "Conv2d", "Linear"}  # + the stem conv and fc
-    assert len(units) == 10  # the convs inside blocks are not split again
 
 
 def test_a_sharded_checkpoint_is_repointed_in_one_rename_and_older_versions_go(tmp_path):
@@ -103,29 +92,6 @@ def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself
     assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds pickled objects besides tensors" in errors[0] and "Traceback" not in proc.stderr
-
-
-def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activations(tmp_path):
-    # FSDP2 refuses non-contiguous (channels_last) parameters: the inputs are made channels_last instead.
-    # BatchNorm under bf16-mixed keeps fp32 weights beside its fp32 statistics (a bf16 weight failed on GPU).
-    probe = tmp_path / "probe"
-    train(tmp_path, "strategy=fsdp", "model=resnet18", "precision=bf16-mixed", "channels_last=true", *SHORT[:2],
-          "data.batch_size=16", "debug=limit", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
-          "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
-          f"+callbacks.probe.output={probe}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
-    assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]
-
-
-def test_cpu_offload_keeps_metric_states_and_buffers_with_the_batch_and_parameters_where_fsdp_puts_them():
-    from starter.models.classifier import Classifier
-    from starter.models.nets.resnet import ResNet
-    from starter.strategies.fsdp import move_state_but_parameters
-
-    model = Classifier(ResNet(18, 10), 10, optimizer=torch.optim.SGD)
-    move_state_but_parameters(model, torch.device("meta"))  # "meta" stands for the GPU of a GPU host
-    assert model.val_acc.total.device.type == model.test_loss.total.device.type == "meta"
-    assert model.net.model.bn1.running_mean.device.type == "meta"
-    assert all(p.device.type == "cpu" for p in model.parameters())
 
 
 def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):

@@ -1,4 +1,5 @@
-"""torchvision's reference-recipe knobs, each doing what it says on a fixed batch or a composed config."""
+"""torchvision's reference-recipe knobs that work on any data, each doing what it says on a fixed batch or a
+composed config (the image-folder ones, crops and auto-augment, are in test_image_folder.py)."""
 
 import json
 import math
@@ -11,7 +12,6 @@ from torch import nn
 from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
 from starter.config import prepare
 from starter.data.base import batch_mixing
-from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
 from starter.data.synthetic import SyntheticDataModule
 from starter.errors import UserError
 from starter.models.classifier import Classifier
@@ -46,39 +46,6 @@ def test_norm_weight_decay_puts_norm_layers_in_their_own_group():
     groups = classifier(norm_weight_decay=0.0).configure_optimizers().param_groups
     assert [len(g["params"]) for g in groups] == [4, 2] and [g["weight_decay"] for g in groups] == [0.5, 0.0]
     assert len(classifier().configure_optimizers().param_groups) == 1  # null: one group, as before
-
-
-@pytest.mark.parametrize("policy", ["ta_wide", "ra", "imagenet"])
-def test_auto_augment_and_random_erasing_keep_uint8_crops_of_the_train_crop_size(policy):
-    transform = imagenet_transforms(True, 24, 36, 32, auto_augment=policy, random_erase=1.0)
-    crop = transform(torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8))
-    assert crop.dtype == torch.uint8 and crop.shape == (3, 24, 24)
-    assert imagenet_transforms(False, 24, 36, 32)(torch.zeros(3, 40, 48, dtype=torch.uint8)).shape == (3, 32, 32)
-    with pytest.raises(UserError, match="data.auto_augment=autoaug: choose one of ta_wide, ra, imagenet"):
-        imagenet_transforms(True, 24, 36, 32, auto_augment="autoaug")
-
-
-def test_val_resize_defaults_to_256_224_of_the_val_crop(image_folder):
-    dm = ImageFolderDataModule(str(image_folder), image_shape=[3, 32, 32], num_classes=3, train_crop_size=24)
-    assert (dm.train_crop_size, dm.val_resize_size, dm.val_crop_size) == (24, 37, 32)
-
-
-def test_the_class_count_is_read_from_the_folder_unless_given(image_folder, tmp_path):
-    cfg = compose_config(["data=imagenet", f"data.root={image_folder}", "accelerator=cpu"], tmp_path)
-    prepare(cfg)
-    assert cfg.data.num_classes == 3 and cfg.model.num_classes == 3  # the model's follows the data's
-    cfg = compose_config(["data=imagenet", f"data.root={tmp_path / 'none'}", "accelerator=cpu"], tmp_path)
-    with pytest.raises(UserError, match="no directory .*none/train: data.num_classes is read from its class folders"):
-        prepare(cfg)
-
-
-def test_a_vit_is_refused_crop_sizes_other_than_the_one_it_was_built_for(image_folder, tmp_path):
-    common = ["data=imagenet", f"data.root={image_folder}", "accelerator=cpu", "model=vit"]
-    cfg = compose_config([*common, "data.val_crop_size=256", "data.val_resize_size=288"], tmp_path)
-    with pytest.raises(UserError, match="takes 224x224 images only .* but data.val_crop_size=256; use 224"):
-        prepare(cfg)
-    prepare(compose_config([*common, "data.train_crop_size=224"], tmp_path))  # the size it takes: fine
-    prepare(compose_config([*common, "model=resnet18", "data.train_crop_size=176"], tmp_path))  # any size: fine
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -117,30 +84,6 @@ def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
     assert read_metrics(run_dirs(tmp_path / "eval")[0])["test/acc"] == read_metrics(run_dir)["test/acc"]
     with pytest.raises(UserError, match="model.ema_decay .* strategy=fsdp shards them"):
         prepare(compose_config(["model.ema_decay=0.9", "strategy=fsdp", "devices=2", "accelerator=cpu"], tmp_path))
-
-
-def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, tmp_path):
-    # the recipe as it is, made small only where a 2-core CPU needs it (a ResNet-18, 32x32 images)
-    proc = train(
-        tmp_path,
-        "experiment=imagenet_resnet50_recipe",
-        f"data.root={image_folder}",
-        "debug=fdr",
-        "accelerator=cpu",
-        "devices=1",
-        "strategy=auto",
-        "model=resnet18",
-        "data.image_shape=[3,32,32]",
-        "data.train_crop_size=24",
-        "data.val_resize_size=36",
-        "data.batch_size=6",
-        "data.num_workers=0",
-    )
-    cfg = (run_dirs(tmp_path, "imagenet_resnet50_recipe")[0] / "config.yaml").read_text()
-    for key in ("auto_augment: ta_wide", "mixup_alpha: 0.2", "cutmix_alpha: 1.0", "label_smoothing: 0.1",
-                "lr_warmup_epochs: 5", "ema_decay: 0.999966", "norm_weight_decay: 0.0", "num_classes: 3"):  # fmt: skip
-        assert key in cfg, key
-    assert proc.returncode == 0
 
 
 def test_the_weight_average_updates_without_reading_the_device_and_restarts_during_warm_up(monkeypatch):

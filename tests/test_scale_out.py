@@ -7,7 +7,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import QUIET, ROOT, compose_config, read_metrics, run_dirs, sweep_jobs, train
+from conftest import QUIET, ROOT, read_metrics, run_dirs, sweep_jobs, train
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -84,21 +84,3 @@ def test_optuna_sweep_writes_the_best_value_and_parameters(tmp_path):
     assert set(results.best_params) == {"model.optimizer.lr", "model.net.width"}
     jobs = [read_metrics(job)["val/acc"] for job in sweep_jobs(tmp_path)]
     assert len(jobs) == 2 and results.best_value == max(jobs)
-
-
-def test_local_submitit_launcher_runs_ddp_jobs(tmp_path):
-    train(tmp_path, "-m", "launcher=local", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=1,2", "debug=limit")
-    jobs = sweep_jobs(tmp_path)
-    assert [j.name for j in jobs] == ["0", "1"] and all((j / "metrics.json").is_file() for j in jobs)
-
-
-def test_slurm_launcher_takes_nodes_and_devices_and_lets_slurm_start_the_ranks(tmp_path, monkeypatch):
-    from starter.strategies.launch import needs_launch
-
-    cfg = compose_config(["launcher=slurm", "strategy=ddp", "devices=4", "num_nodes=2"], tmp_path, keep_hydra=True)
-    launcher = cfg.hydra.launcher
-    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
-    assert launcher.max_num_timeout == 3 and launcher._target_.endswith("SlurmLauncher")
-    assert needs_launch(cfg)  # on a login node: our launcher would start the workers
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    assert not needs_launch(cfg)  # inside the SLURM job: SLURM started all 8 ranks

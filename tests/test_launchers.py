@@ -1,0 +1,30 @@
+"""Hydra's submitit launchers (launcher=slurm, launcher=local): one SLURM job per sweep point. Part of the larger
+examples (`examples=minimal` leaves them out; the SLURM environment itself is handled in test_clusters.py)."""
+
+import pytest
+
+from conftest import compose_config, sweep_jobs, train
+
+
+@pytest.mark.slow
+def test_local_submitit_launcher_runs_ddp_jobs(tmp_path):
+    train(tmp_path, "-m", "launcher=local", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=1,2", "debug=limit")
+    jobs = sweep_jobs(tmp_path)
+    assert [j.name for j in jobs] == ["0", "1"] and all((j / "metrics.json").is_file() for j in jobs)
+
+
+def test_slurm_launcher_takes_nodes_and_devices_and_lets_slurm_start_the_ranks(tmp_path, monkeypatch):
+    from starter.strategies.launch import needs_launch
+
+    cfg = compose_config(["launcher=slurm", "strategy=ddp", "devices=4", "num_nodes=2"], tmp_path, keep_hydra=True)
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+    assert launcher.max_num_timeout == 3 and launcher._target_.endswith("SlurmLauncher")
+    assert needs_launch(cfg)  # on a login node: our launcher would start the workers
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert not needs_launch(cfg)  # inside the SLURM job: SLURM started all 8 ranks
+
+
+def test_local_launcher_lets_each_job_see_its_gpus(tmp_path):
+    cfg = compose_config(["launcher=local", "strategy=ddp", "devices=2"], tmp_path, keep_hydra=True)
+    assert cfg.hydra.launcher.gpus_per_node == 2  # submitit sets CUDA_VISIBLE_DEVICES to that many (0 hid all)
