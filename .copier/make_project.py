@@ -1,9 +1,14 @@
-"""Run by copier in a freshly generated project (copier.yml's task): `starter` becomes the chosen package name.
+"""Run by copier in a freshly generated project (copier.yml's task): `starter` becomes the chosen package name,
+and with `minimal` the larger examples go.
 
-    python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE"
+    python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE" full|minimal
 
 Moves src/starter to src/PACKAGE_NAME, rewrites every text file (imports, config targets, pyproject, prose), sets
 the README's title, and removes itself. The template's repository is never touched.
+
+What belongs to the larger examples only: the paths in LARGER_EXAMPLES, each line ending in a `# full examples`
+(or `<!-- full examples -->`) marker, and the lines between `# full examples: begin` and `# full examples: end`
+(or the same in `<!-- -->`). `minimal` deletes them; `full` keeps them and deletes only the markers.
 """
 
 import re
@@ -12,10 +17,49 @@ import sys
 from pathlib import Path
 
 TEMPLATE_PACKAGE = "starter"
+LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, the recipe, the benchmarks of them
+    "src/starter/data/imagenet.py",
+    "src/starter/data/imagenet_archives.py",
+    "src/starter/models/nets/resnet.py",
+    "conf/data/imagenet.yaml",
+    "conf/model/resnet18.yaml",
+    "conf/model/resnet50.yaml",
+    "conf/model/vit_s16.yaml",
+    "conf/experiment/imagenet_resnet50.yaml",
+    "conf/experiment/imagenet_resnet50_recipe.yaml",
+    "conf/launcher",
+    "tests/test_image_folder.py",
+    "tests/test_fsdp_resnet.py",
+    "tests/test_launchers.py",
+    "tests/test_benchmarks.py",
+    "benchmarks/data_paths.py",
+    "benchmarks/strategy_matrix.py",
+    "benchmarks/gpu_scaling.py",
+    "benchmarks/gpu_matrix.py",
+    "benchmarks/results",  # the template's measurements: `make bench` writes the project's own
+    "benchmarks/RESULTS.md",
+]
+MARK = r"(?:# full examples|<!-- full examples -->)"
+MARKED_LINE = re.compile(rf"^(.*?)[ \t]*{MARK}[ \t]*\n", re.MULTILINE)
+MARKED_BLOCK = re.compile(
+    r"^[ \t]*(?:# full examples: begin|<!-- full examples: begin -->)[ \t]*\n(.*?)"
+    r"^[ \t]*(?:# full examples: end|<!-- full examples: end -->)[ \t]*\n",
+    re.MULTILINE | re.DOTALL,
+)
 
 
-def main(package: str, title: str) -> None:
+def keep_examples(text: str, full: bool) -> str:
+    """The text with the larger examples' marked lines kept (markers gone) or removed."""
+    text = MARKED_BLOCK.sub(r"\1" if full else "", text)
+    return MARKED_LINE.sub(r"\1\n" if full else "", text)
+
+
+def main(package: str, title: str, examples: str = "full") -> None:
     root = Path.cwd()
+    if examples == "minimal":
+        for relative in LARGER_EXAMPLES:
+            path = root / relative
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     template_package, package_dir = root / "src" / TEMPLATE_PACKAGE, root / "src" / package
     for source in sorted(p for p in template_package.rglob("*") if p.is_file()):  # `copier update` renders the
         target = package_dir / source.relative_to(template_package)  # template's files over an existing package
@@ -23,13 +67,18 @@ def main(package: str, title: str) -> None:
         shutil.move(source, target)
     shutil.rmtree(template_package)
     for path in root.rglob("*"):
-        if not path.is_file() or ".git" in path.parts or path.name == ".copier-answers.yml":
+        if not path.is_file() or {".git", ".copier"} & set(path.relative_to(root).parts):
+            continue
+        if path.name == ".copier-answers.yml":
             continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:  # images
             continue
-        renamed = re.sub(TEMPLATE_PACKAGE, package, text, flags=re.IGNORECASE)
+        kept = keep_examples(text, examples == "full")
+        if path.suffix == ".py" and kept != text:
+            kept = re.sub(r"\n{4,}", "\n\n\n", kept)  # a block gone between functions: PEP 8's two blank lines
+        renamed = re.sub(TEMPLATE_PACKAGE, package, kept, flags=re.IGNORECASE)
         if path == root / "README.md":
             renamed = re.sub(r"\A# .*", f"# {title}", renamed)
         if renamed != text:
@@ -38,4 +87,4 @@ def main(package: str, title: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

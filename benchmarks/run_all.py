@@ -10,8 +10,8 @@ import sys
 
 from benchmarks.common import RESULTS, ROOT
 
-BENCHMARKS = ["parity", "parity_ddp", "data_paths", "host_syncs", "startup", "strategy_matrix", "model_parallel_memory",
-              "gpu_scaling", "gpu_matrix"]  # fmt: skip
+BENCHMARKS = ["parity", "parity_ddp", "host_syncs", "startup", "model_parallel_memory"]
+BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix"]  # full examples
 RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
 
 
@@ -22,20 +22,20 @@ def verdicts() -> list[str]:
     vs_bare = statistics.median(parity["128"]["vs bare"])
     syncs = json.loads((RESULTS / "host_syncs.json").read_text())
     worst = max(r["syncs_per_non_logging_step"] for r in syncs["accelerator=cpu"].values())
-    decoders = list(json.loads((RESULTS / "data.json").read_text())["decoder_images_per_s"].values())
-    decode_gain = statistics.median(decoders[-1]) / statistics.median(decoders[0])
+    decoders = list(json.loads((RESULTS / "data.json").read_text())["decoder_images_per_s"].values())  # full examples
+    decode_gain = statistics.median(decoders[-1]) / statistics.median(decoders[0])  # full examples
     ddp = statistics.median(json.loads((RESULTS / "parity_ddp.json").read_text())["ratio"])
-    data = json.loads((RESULTS / "data.json").read_text())
-    data_ratio = statistics.median(data["mnist_pil_s"]) / statistics.median(data["mnist_in_memory_s"])
+    data = json.loads((RESULTS / "data.json").read_text())  # full examples
+    data_ratio = statistics.median(data["mnist_pil_s"]) / statistics.median(data["mnist_in_memory_s"])  # full examples
     startup = {k: statistics.median(v) for k, v in json.loads((RESULTS / "startup.json").read_text()).items()}
     first_step = startup["python train.py, to the first training step"] - startup['python -c "import torch, lightning"']
     checks = [
         ("parity, single process, MNIST defaults (batch 128)", single, 0.90, ">="),
         ("train.py / bare Lightning with its defaults (batch 128)", vs_bare, 0.98, ">="),
         ("host syncs per non-logging training step, default run", worst, 0, "<="),
-        ("ImageNet train transform images/s per worker, now / before", decode_gain, 1.5, ">="),
+        ("ImageNet train transform images/s per worker, now / before", decode_gain, 1.5, ">="),  # full examples
         ("parity, ddp on 2 processes (batch 128)", ddp, 0.90, ">="),
-        ("MNIST data path, in memory / per-item PIL", data_ratio, 2.5, ">="),
+        ("MNIST data path, in memory / per-item PIL", data_ratio, 2.5, ">="),  # full examples
         ("`python train.py --help`, seconds", startup["python train.py --help"], 1.0, "<"),
         ("first training step minus bare import, seconds", first_step, 1.5, "<="),
     ]
@@ -67,6 +67,7 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# full examples: begin
 def gpu_section() -> str:
     if (RESULTS / "gpu_scaling.md").is_file():
         return (RESULTS / "gpu_scaling.md").read_text()
@@ -81,6 +82,9 @@ def gpu_matrix_section() -> str:
     if (RESULTS / "gpu_matrix.md").is_file():
         return (RESULTS / "gpu_matrix.md").read_text()
     return "Not measured: no CUDA on this machine (`python -m benchmarks.gpu_matrix` on a GPU host)."
+
+
+# full examples: end
 
 
 def main() -> None:
@@ -101,13 +105,13 @@ def main() -> None:
         (RESULTS / "parity.md").read_text(),
         "## Host syncs and collectives per training step", host_syncs_table(),
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
-        "## Data paths", (RESULTS / "data.md").read_text(),
+        "## Data paths", (RESULTS / "data.md").read_text(),  # full examples
         "## Start-up", (RESULTS / "startup.md").read_text(),
-        "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),
+        "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples
         "## Which mode when: state per rank (ViT, CPU)", (RESULTS / "model_parallel_memory.md").read_text(),
-        "![strategy x precision](results/strategy_matrix.png)",
-        "## GPU scaling", gpu_section(),
-        "## One GPU: every strategy x precision", gpu_matrix_section(),
+        "![strategy x precision](results/strategy_matrix.png)",  # full examples
+        "## GPU scaling", gpu_section(),  # full examples
+        "## One GPU: every strategy x precision", gpu_matrix_section(),  # full examples
     ]  # fmt: skip
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
     print((ROOT / "benchmarks" / "RESULTS.md").read_text())

@@ -50,7 +50,7 @@ def test_every_model_builds_and_maps_images_to_logits(option, tmp_path):
     import torch
 
     cfg = compose_config([f"model={option}"], tmp_path)  # the default data: 8x8 digits
-    if cfg.data.image_shape[-1] % cfg.model.net.get("patch_size", 1):  # e.g. vit_s16's 16x16 patches
+    if cfg.data.image_shape[-1] % cfg.model.net.get("patch_size", 1):  # e.g. a ViT of 16x16 patches, for 224x224
         cfg = compose_config([f"model={option}", "data=synthetic", "data.num_classes=10"], tmp_path)
     model = instantiate(cfg.model)
     assert model(torch.zeros(2, *cfg.data.image_shape)).shape == (2, 10)

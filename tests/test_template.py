@@ -1,5 +1,6 @@
 """This repository as a copier template: a generated project has its own package everywhere, runs its README's
-commands and quick tests without the template's package, and `copier update` brings a later template change."""
+commands and quick tests without the template's package, and `copier update` brings a later template change;
+with `examples=minimal` it has none of the larger examples."""
 
 import os
 import shutil
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.slow
 IGNORED = shutil.ignore_patterns(".git", ".venv", "logs", "outputs", "multirun", "*.egg-info", "__pycache__",
                                  ".pytest_cache", ".ruff_cache", ".whl", ".gpu")  # fmt: skip
 # The template's own package is installed in this environment: any import of it must fail in the project.
+EXAMPLES = ["full", "minimal"]
 WITHOUT_STARTER = "import runpy, sys; sys.modules['starter'] = None; sys.argv = sys.argv[1:]; "
 
 
@@ -29,54 +31,103 @@ def copier(cwd, *args):
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """(template repository, generated project): the working tree as a template at a commit, a project from it."""
-    tmp = tmp_path_factory.mktemp("template")
-    template, project = tmp / "template", tmp / "mynet-project"
+def template(tmp_path_factory):
+    """The working tree as a template repository at a commit."""
+    template = tmp_path_factory.mktemp("template") / "template"
     shutil.copytree(ROOT, template, ignore=IGNORED)
     git(template, "init", "-q")
     git(template, "add", "-A")
     git(template, "commit", "-qm", "template")
-    copier(tmp, "copy", "--trust", "--vcs-ref", "HEAD", "--defaults", "-d", "package_name=mynet", str(template),
-           str(project))  # fmt: skip
-    return template, project
+    return template
 
 
-def in_project(project, code: str, *args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(project / "src"))
-    return subprocess.run([sys.executable, "-c", WITHOUT_STARTER + code, *args], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+@pytest.fixture(scope="module")
+def projects(template, tmp_path_factory) -> dict:
+    """{examples: generated project}: one project of each example set, package `mynet`, every other default."""
+    made = {}
+    for examples in EXAMPLES:
+        made[examples] = tmp_path_factory.mktemp(examples) / "mynet-project"
+        copier(made[examples].parent, "copy", "--trust", "--vcs-ref", "HEAD", "--defaults", "-d", "package_name=mynet",
+               "-d", f"examples={examples}", str(template), str(made[examples]))  # fmt: skip
+    return made
 
 
-def test_the_generated_project_is_named_after_its_package_everywhere(made):
-    _, project = made
+def in_projects(projects: dict, code: str, *args) -> dict:
+    """{examples: finished process} of `python -c code args` in every project at once, the template's package
+    blocked."""
+    procs = {}
+    for examples, project in projects.items():
+        env = dict(os.environ, PYTHONPATH=str(project / "src"))
+        procs[examples] = subprocess.Popen([sys.executable, "-c", WITHOUT_STARTER + code, *args], cwd=project, env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    done = {}
+    for examples, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[examples] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+@pytest.fixture(scope="module")
+def quick_runs(projects) -> dict:
+    """{examples: (train run, test run)}: `python train.py debug=fdr`, then the whole test suite collected (every
+    test module imported: a left-out example still imported fails there) and the config and lint tests run."""
+    trains = in_projects(projects, "runpy.run_path('train.py', run_name='__main__')", "train.py", "debug=fdr")
+    tests = in_projects(projects, "import pytest; sys.exit(pytest.main(sys.argv))", "-q", "-p", "no:cacheprovider",
+                        "-m", "not slow", "-k", "test_config.py or test_tooling.py", "tests")  # fmt: skip
+    return {examples: (trains[examples], tests[examples]) for examples in EXAMPLES}
+
+
+def files_mentioning(project, words) -> list[str]:
+    found = []
+    for path in project.rglob("*"):
+        if path.is_file() and path.name != ".copier-answers.yml":  # its template path is wherever the template is
+            text = path.read_bytes().decode(errors="ignore").lower()
+            found += [f"{path.relative_to(project)}: {w}" for w in words if w in text]
+    return found
+
+
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_the_generated_project_is_named_after_its_package_everywhere(projects, examples):
+    project = projects[examples]
     assert (project / "src" / "mynet" / "run.py").is_file() and not (project / "src" / "starter").exists()
     assert 'name = "mynet"' in (project / "pyproject.toml").read_text()
     assert (project / "README.md").read_text().startswith("# mynet: a Lightning + Hydra project\n")
     assert "_target_: mynet.models.classifier.Classifier" in (project / "conf" / "model" / "mlp.yaml").read_text()
-    left = []
-    for path in project.rglob("*"):
-        if path.is_file() and path.name != ".copier-answers.yml":  # its template path is wherever the template is
-            text = path.read_bytes().decode(errors="ignore")
-            left += [str(path.relative_to(project))] if "starter" in text.lower() else []
-    assert left == []
+    assert files_mentioning(project, ["starter", "full examples"]) == []  # nor the template's markers
     assert not (project / ".copier").exists() and not (project / "copier.yml").exists()
 
 
-def test_the_generated_project_trains_and_passes_its_quick_tests_without_the_template_package(made):
-    _, project = made
-    run = in_project(project, "runpy.run_path('train.py', run_name='__main__')", "train.py", "debug=fdr")
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_the_minimal_project_has_none_of_the_larger_examples_and_the_full_one_has_them_all(projects, examples):
+    project = projects[examples]
+    larger = ["src/mynet/data/imagenet.py", "src/mynet/models/nets/resnet.py", "conf/data/imagenet.yaml",
+              "conf/model/resnet50.yaml", "conf/model/vit_s16.yaml", "conf/experiment/imagenet_resnet50.yaml",
+              "conf/launcher/slurm.yaml", "tests/test_image_folder.py", "benchmarks/gpu_scaling.py"]  # fmt: skip
+    assert [(project / p).exists() for p in larger] == [examples == "full"] * len(larger)
+    names = ["data=imagenet", "imagenet_archives", "resnet18", "resnet50", "vit_s16", "launcher=", "submitit",
+             "gpu_scaling", "strategy_matrix"]  # fmt: skip
+    if examples == "minimal":
+        assert files_mentioning(project, names) == []
+        assert (project / "conf" / "model" / "vit.yaml").is_file() and (
+            project / "conf" / "strategy" / "tp.yaml"
+        ).is_file()
+    else:
+        readme = (project / "README.md").read_text()
+        assert all(name in readme for name in names)
+
+
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_the_generated_project_trains_and_passes_its_quick_tests_without_the_template_package(quick_runs, examples):
+    run, tests = quick_runs[examples]
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "mynet.report" in run.stderr + run.stdout and list(project.glob("logs/train/runs/*/metrics.json"))
-    tests = in_project(project, "import pytest; sys.exit(pytest.main(sys.argv))", "-q", "-p", "no:cacheprovider",
-                       "-m", "not slow", "tests/test_config.py")  # fmt: skip
+    assert "mynet.report" in run.stderr + run.stdout
     assert tests.returncode == 0, tests.stdout[-3000:]
+    assert " error" not in tests.stdout and " passed" in tests.stdout
 
 
-def test_copier_update_brings_a_later_template_change_into_the_renamed_package(made, tmp_path):
-    template, made_project = made
-    project = tmp_path / "project"
-    shutil.copytree(made_project, project, ignore=shutil.ignore_patterns("logs"))
+def test_copier_update_brings_a_later_template_change_into_the_renamed_package(template, projects, tmp_path):
+    project = tmp_path / "project"  # the minimal one: the examples it left out must stay out
+    shutil.copytree(projects["minimal"], project, ignore=shutil.ignore_patterns("logs"))
     git(project, "init", "-q")
     git(project, "add", "-A")
     git(project, "commit", "-qm", "generated")
@@ -86,3 +137,8 @@ def test_copier_update_brings_a_later_template_change_into_the_renamed_package(m
     copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
     assert "TEMPLATE_CHANGE = 1" in (project / "src" / "mynet" / "__init__.py").read_text()
     assert not (project / "src" / "starter").exists() and not (project / "src" / "mynet" / "starter").exists()
+    assert (
+        not (project / "src" / "mynet" / "data" / "imagenet.py").exists()
+        and not (project / "conf" / "launcher").exists()
+    )
+    assert "full examples" not in (project / "README.md").read_text()

@@ -15,8 +15,8 @@ from starter.strategies.model_parallel import OutsideModelParallel
 from starter.strategies.tp import apply_tensor_parallel
 
 # Outermost modules of these classes become sharding units: the residual blocks of a ResNet, the transformer
-# blocks of a ViT, else each
-# Linear/Conv2d layer. A unit is the granularity of all-gather and free: bigger units, fewer collectives.
+# blocks of a ViT, else each Linear/Conv2d layer. A unit is the granularity of all-gather and free: bigger units,
+# fewer collectives.
 DEFAULT_UNITS = ("BasicBlock", "Bottleneck", "Block", "Linear", "Conv2d")
 
 
