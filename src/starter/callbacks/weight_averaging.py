@@ -11,8 +11,6 @@ ends, so model.pt holds it too. Two changes:
   torchvision's reference, the average restarts from the current weights during the lr warm-up epochs.
 """
 
-from itertools import chain
-
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,11 +21,12 @@ class AveragedWeights(EMAWeightAveraging):
         super().__init__(decay=decay)
         self.decay, self.warmup_epochs = decay, warmup_epochs
         self.updates: int | None = None  # read from the average once per fit: a resume continues its count
+        self.tensors: dict[str, tuple[list, list]] = {}  # (average, current) tensor lists, made once per fit
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
-            self.updates = None
+            self.updates, self.tensors = None, {}
             self._average_model.update_parameters = self.update_without_sync
 
     def update_without_sync(self, model) -> None:
@@ -35,21 +34,32 @@ class AveragedWeights(EMAWeightAveraging):
         average = self._average_model
         if self.updates is None:
             self.updates = int(average.n_averaged)
-        pairs = zip(average.module.parameters(), model.parameters())
-        if average.use_buffers:
-            pairs = chain(pairs, zip(average.module.buffers(), model.buffers()))
-        pairs = [(a.detach(), c.detach()) for a, c in pairs]
+            self.tensors = self._paired_tensors(model)
         if self.updates == 0 or model.trainer.current_epoch < self.warmup_epochs:  # (re)start from the weights
-            blended, copied = [], pairs
-        else:  # integer buffers (BatchNorm's batch count) take the current value
-            blended = [(a, c) for a, c in pairs if a.is_floating_point()]
-            copied = [(a, c) for a, c in pairs if not a.is_floating_point()]
-        if blended:
-            torch._foreach_lerp_([a for a, _ in blended], [c for _, c in blended], 1 - self.decay)
-        if copied:
-            torch._foreach_copy_([a for a, _ in copied], [c for _, c in copied])
+            torch._foreach_copy_(*self.tensors["all"])
+        else:
+            torch._foreach_lerp_(*self.tensors["floating"], 1 - self.decay)
+            if self.tensors["integer"][0]:  # integer buffers (BatchNorm's batch count) take the current value
+                torch._foreach_copy_(*self.tensors["integer"])
         average.n_averaged += 1  # on the device, not read
         self.updates += 1
+
+    def _paired_tensors(self, model) -> dict[str, tuple[list, list]]:
+        """The average's tensors and the model's, all of them and split by floating point or integer; the same
+        tensor objects for a whole fit (Lightning swaps the weights in for validation by copying data)."""
+        average = self._average_model
+        pairs = list(zip(average.module.parameters(), model.parameters()))
+        if average.use_buffers:
+            pairs += zip(average.module.buffers(), model.buffers())
+
+        def lists(chosen) -> tuple[list, list]:
+            return [a.detach() for a, _ in chosen], [c.detach() for _, c in chosen]
+
+        return {
+            "all": lists(pairs),
+            "floating": lists([(a, c) for a, c in pairs if a.is_floating_point()]),
+            "integer": lists([(a, c) for a, c in pairs if not a.is_floating_point()]),
+        }
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # a resume: the raw weights train on, the average goes on
