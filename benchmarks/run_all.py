@@ -22,10 +22,10 @@ def verdicts() -> list[str]:
     vs_bare = statistics.median(parity["128"]["vs bare"])
     syncs = json.loads((RESULTS / "host_syncs.json").read_text())
     worst = max(r["syncs_per_non_logging_step"] for r in syncs["accelerator=cpu"].values())
-    decoders = list(json.loads((RESULTS / "data.json").read_text())["decoder_images_per_s"].values())  # full examples
+    data = json.loads((RESULTS / "data.json").read_text())  # full examples
+    decoders = list(data["decoder_images_per_s"].values())  # full examples
     decode_gain = statistics.median(decoders[-1]) / statistics.median(decoders[0])  # full examples
     ddp = statistics.median(json.loads((RESULTS / "parity_ddp.json").read_text())["ratio"])
-    data = json.loads((RESULTS / "data.json").read_text())  # full examples
     data_ratio = statistics.median(data["mnist_pil_s"]) / statistics.median(data["mnist_in_memory_s"])  # full examples
     startup = {k: statistics.median(v) for k, v in json.loads((RESULTS / "startup.json").read_text()).items()}
     first_step = startup["python train.py, to the first training step"] - startup['python -c "import torch, lightning"']
@@ -68,25 +68,20 @@ def cuda_available() -> bool:
 
 
 # full examples: begin
-def gpu_section() -> str:
-    if (RESULTS / "gpu_scaling.md").is_file():
-        return (RESULTS / "gpu_scaling.md").read_text()
-    return (
-        "Not measured: no CUDA on this machine. On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py`"
-        " (ResNet-50, bf16-mixed, channels_last, 1..N GPUs; `--compile` adds torch.compile). The tests run its"
-        " tiny CPU form (`--tiny --accelerator cpu`)."
-    )
+GPU_SCALING = (
+    "On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py` (ResNet-50, bf16-mixed, channels_last,"
+    " 1..N GPUs; `--compile` adds torch.compile). The tests run its tiny CPU form (`--tiny --accelerator cpu`)."
+)
+GPU_MATRIX = "`python -m benchmarks.gpu_matrix` on a GPU host."
 
 
-def gpu_matrix_section() -> str:
-    if (RESULTS / "gpu_matrix.md").is_file():
-        return (RESULTS / "gpu_matrix.md").read_text()
-    return "Not measured: no CUDA on this machine (`python -m benchmarks.gpu_matrix` on a GPU host)."
+def measured_on_a_gpu(table: str, how: str) -> str:
+    """results/<table>, written by `make bench` on a GPU host, or how to measure it."""
+    measured = RESULTS / table
+    return measured.read_text() if measured.is_file() else f"Not measured: no CUDA on this machine. {how}"
 
 
 # full examples: end
-
-
 def main() -> None:
     names = [] if sys.argv[1:] == ["--report-only"] else sys.argv[1:] or BENCHMARKS
     for name in names:
@@ -110,8 +105,8 @@ def main() -> None:
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples
         "## Which mode when: state per rank (ViT, CPU)", (RESULTS / "model_parallel_memory.md").read_text(),
         "![strategy x precision](results/strategy_matrix.png)",  # full examples
-        "## GPU scaling", gpu_section(),  # full examples
-        "## One GPU: every strategy x precision", gpu_matrix_section(),  # full examples
+        "## GPU scaling", measured_on_a_gpu("gpu_scaling.md", GPU_SCALING),  # full examples
+        "## One GPU: every strategy x precision", measured_on_a_gpu("gpu_matrix.md", GPU_MATRIX),  # full examples
     ]  # fmt: skip
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
     print((ROOT / "benchmarks" / "RESULTS.md").read_text())
