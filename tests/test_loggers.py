@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from conftest import run_dirs, sweep_jobs, train
+from conftest import compose_config, run_dirs, sweep_jobs, train
+from starter.config import prepare
+from starter.errors import UserError
 
 pytest.importorskip("mlflow", reason="the loggers extra: pip install -e '.[loggers]'")
 pytest.importorskip("wandb", reason="the loggers extra: pip install -e '.[loggers]'")
@@ -15,10 +17,6 @@ SHORT = ["logger=[csv,mlflow,wandb]", "accelerator=cpu", "debug=limit", "trainer
 
 def test_a_logger_whose_package_is_missing_is_refused_up_front_naming_the_extra(tmp_path, monkeypatch):
     import importlib.util
-
-    from conftest import compose_config
-    from starter.config import prepare
-    from starter.errors import UserError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -212,11 +212,10 @@ def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_p
     from types import SimpleNamespace
 
     from starter.callbacks.tf32 import TF32
+    from starter.run import built_in_callbacks
 
     def process_on(device: str):
         return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
-
-    from starter.run import built_in_callbacks
 
     (tf32,) = [c for c in built_in_callbacks(compose_config([], tmp_path)) if isinstance(c, TF32)]
     assert tf32.enabled  # the default, tf32: true

@@ -98,8 +98,10 @@ def log_config(trainer, cfg: DictConfig) -> None:
 def end_logger_runs(trainer) -> None:
     """Lightning leaves a W&B run open until the process exits; the next job of a multirun (same process) would
     log into it. Ended here, after fit and test, so each job is a run of its own."""
+    from lightning.pytorch.loggers import WandbLogger  # importable without wandb installed
+
     for logger in trainer.loggers:
-        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
             logger.experiment.finish()
 
 
