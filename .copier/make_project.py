@@ -67,18 +67,14 @@ def main(package: str, title: str, examples: str = "full") -> None:
         shutil.move(source, target)
     shutil.rmtree(template_package)
     for path in root.rglob("*"):
-        if not path.is_file() or {".git", ".copier"} & set(path.relative_to(root).parts):
-            continue
-        if path.name == ".copier-answers.yml":
+        skipped = path.name == ".copier-answers.yml" or {".git", ".copier"} & set(path.relative_to(root).parts)
+        if not path.is_file() or skipped:
             continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:  # images
             continue
-        kept = keep_examples(text, examples == "full")
-        if path.suffix == ".py" and kept != text:
-            kept = re.sub(r"\n{4,}", "\n\n\n", kept)  # a block gone between functions: PEP 8's two blank lines
-        renamed = re.sub(TEMPLATE_PACKAGE, package, kept, flags=re.IGNORECASE)
+        renamed = re.sub(TEMPLATE_PACKAGE, package, keep_examples(text, examples == "full"), flags=re.IGNORECASE)
         if path == root / "README.md":
             renamed = re.sub(r"\A# .*", f"# {title}", renamed)
         if renamed != text:
