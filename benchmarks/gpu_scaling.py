@@ -6,7 +6,7 @@ indices only), so neither decoding nor the host-to-device copy can be the bottle
 the GPU before it reads the clock at the first and the last timed step (benchmarks.common.StepTimer); WARMUP
 steps (cudnn autotuning, compilation) are left out of STEPS timed ones. `--compile` adds torch.compile.
 At one device the same net, batch, precision and optimizer also run in a plain PyTorch loop in this process
-(`hand_loop_images_per_s`): the ratio train.py / hand loop is what the template costs on that device.
+(`hand_loop`): the ratio train.py / hand loop is what the template costs on that device.
 
 `make bench` runs it when CUDA is present. `--tiny --accelerator cpu` runs the same path at toy sizes
 (ResNet-18 and a 3-block ViT at 32x32, 1..2 CPU processes): that is how the test suite checks it without a GPU.
@@ -51,51 +51,26 @@ def images_per_s(model: list[str], devices: int, args, scratch: Path) -> float:
     return figures["samples"] / figures["seconds"]
 
 
-def hand_loop_images_per_s(model: list[str], args, scratch: Path) -> float:
-    """The net and optimizer of train.py's config for one device, trained by a loop a user would write by hand:
-    uint8 images gathered from a pool on the device, normalised, autocast to the precision, SGD/AdamW step."""
-    import time
-
+def hand_loop(model: list[str], args, scratch: Path) -> dict:
+    """The same net, batch, precision and optimizer on one device in a hand-written loop (benchmarks.hand_loop):
+    images/s without reading anything on the host, and reading the loss every `trainer.log_every_n_steps` steps as
+    train.py's logging does; and the forward + backward FLOPs of one image (for the model FLOPs utilisation)."""
     import torch
-    from hydra.utils import instantiate
+
+    from benchmarks.hand_loop import hand_step, seconds, training_flops_per_image
 
     cfg = compose(overrides(model, 1, args), scratch / "hand")
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
-    torch.manual_seed(0)
-    net = instantiate(cfg.model.net).to(device)
-    layout = torch.channels_last if cfg.get("channels_last") else torch.contiguous_format
-    net = net.to(memory_format=layout)
-    optimizer = instantiate(cfg.model.optimizer)(net.parameters())
-    step_net = torch.compile(net) if args.compile else net
-    shape, classes, batch = list(cfg.data.image_shape), cfg.data.num_classes, cfg.data.batch_size
-    pool = torch.randint(0, 256, (min(1024, 2 * batch), *shape), dtype=torch.uint8, device=device)
-    labels = torch.randint(0, classes, (len(pool),), device=device)
-    mean = torch.full((1, shape[0], 1, 1), 0.5, device=device)
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(args.precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-
-    def step() -> None:
-        slots = torch.randint(0, len(pool), (batch,), device=device)
-        images = ((pool[slots].float() / 255 - mean) / 0.25).contiguous(memory_format=layout)
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = torch.nn.functional.cross_entropy(step_net(images), labels[slots])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = hand_step(cfg, args.precision, args.compile, device)
     for _ in range(args.warmup):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    rate = batch * args.steps / (time.perf_counter() - start)
-    print(f"{model[0]} in a hand-written loop: {rate:,.0f} images/s", flush=True)
-    return rate
+    batch, every = cfg.data.batch_size, int(cfg.trainer.log_every_n_steps)
+    figures = {"images_per_s": batch * args.steps / seconds(step, args.steps, device),
+               "logging_images_per_s": batch * args.steps / seconds(step, args.steps, device, read_every=every),
+               "flops_per_image": training_flops_per_image(step.net, list(cfg.data.image_shape), device)}  # fmt: skip
+    print(f"{model[0]} in a hand-written loop: {figures['images_per_s']:,.0f} images/s, reading its loss every"
+          f" {every} steps {figures['logging_images_per_s']:,.0f}", flush=True)  # fmt: skip
+    return figures
 
 
 def main() -> None:
@@ -109,6 +84,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--strategy", default="ddp", help="e.g. auto at one device: is ddp's wrapper the cost?")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on CPU: checks the path, not the speed")
+    parser.add_argument("--models", nargs="+", default=None, help=f"in this order (default: all of {list(MODELS)})")
+    parser.add_argument("--peak-flops", type=float, default=989e12, help="the device's dense bf16 peak (H100 SXM)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.tiny:
@@ -120,24 +97,34 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="gpu-scaling-"))
     counts = [n for n in (1, 2, 4, 8, 16) if n <= args.max_devices]
     results, rows = {}, []
-    for name, model in (TINY if args.tiny else MODELS).items():
+    models = TINY if args.tiny else MODELS
+    for name in args.models or models:
+        model = models[name]
         results[name] = {n: images_per_s(model, n, args, scratch) for n in counts}
         base = results[name][1]
-        hand = results[name]["hand loop, 1 device"] = hand_loop_images_per_s(model, args, scratch)
-        rows += [[name, n, f"{ips:,.0f}", f"{ips / n:,.0f}", f"{ips / (n * base):.2f}",
-                  f"{base / hand:.2f} ({hand:,.0f})" if n == 1 else ""]
-                 for n, ips in results[name].items() if n in counts]  # fmt: skip
+        hand = results[name]["hand loop, 1 device"] = hand_loop(model, args, scratch)
+        flops = hand["flops_per_image"]
+        for n, ips in results[name].items():
+            if n not in counts:
+                continue
+            logging, silent = hand["logging_images_per_s"], hand["images_per_s"]
+            vs_hand = [f"{base / logging:.2f} / {base / silent:.2f}", f"{logging:,.0f} / {silent:,.0f}"]
+            mfu = f"{flops * ips / n / args.peak_flops:.1%}"
+            rows.append([name, n, f"{ips:,.0f}", f"{ips / (n * base):.2f}", mfu, *(vs_hand if n == 1 else ["", ""])])
     size = "32x32, CPU (a check of the path, not a speed)" if args.tiny else "224x224"
     compiled = ", torch.compile" if args.compile else ""
-    header = (f"{size}, {args.precision}, {args.strategy} at every count, {args.batch_per_device} images per device "
-              f"per step, images on the device, {args.steps} steps timed after {args.warmup}{compiled}")  # fmt: skip
+    header = (f"{size}, {args.precision}, strategy={args.strategy} at every count (one process: no DDP wrapper),"
+              f" {args.batch_per_device} images per device per step, images on the device, {args.steps} steps timed"
+              f" after {args.warmup}{compiled}; MFU = training FLOPs per image (torch's counter) x images/s per"
+              f" device / {args.peak_flops / 1e12:.0f} TFLOP/s")  # fmt: skip
     columns = [
         "model",
         "devices",
         "images/s",
-        "images/s per device",
         "scaling efficiency",
-        "train.py / hand loop (its images/s)",
+        "MFU",
+        "train.py / hand loop (loss read every 10 steps / never)",
+        "hand loop images/s (same)",
     ]
     table = markdown_table(columns, rows)
     args.results.mkdir(exist_ok=True)
