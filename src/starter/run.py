@@ -20,7 +20,7 @@ from starter.callbacks.epoch_stats import EpochStats
 from starter.callbacks.progress import progress_bar
 from starter.callbacks.resume_schedule import ResumeSchedule
 from starter.callbacks.tf32 import TF32
-from starter.config import external_launcher
+from starter.config import external_launcher, world_size
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.export import save_full_weights
 from starter.report import write_run_outputs
@@ -44,7 +44,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         use_channels_last(model, weights=cfg.strategy.name != "fsdp")
     trainer = build(
         cfg.trainer,
-        strategy=build_strategy(cfg.strategy),
+        strategy=build_strategy(cfg.strategy, world_size(cfg)),
         callbacks=[build(c) for c in cfg.callbacks.values()] + built_in_callbacks(cfg),
         logger=[build(lg) for lg in cfg.logger.values()] or False,
         plugins=[build(p) for p in cfg.trainer.get("plugins") or []] + cluster_environment(cfg),

@@ -34,9 +34,13 @@ class SaveOnSigterm(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
-        if trainer.world_size > 1 and trainer.global_step % trainer.log_every_n_steps:
+        if trainer.world_size == 1:
+            stop = self.requested  # no collective: under DDP even a world of one would sync the host per step
+        elif trainer.global_step % trainer.log_every_n_steps:
             return
-        if trainer.strategy.reduce_boolean_decision(self.requested, all=False):
+        else:
+            stop = trainer.strategy.reduce_boolean_decision(self.requested, all=False)
+        if stop:
             trainer.save_checkpoint(self.path)
             self.saved = True
 
