@@ -1,5 +1,6 @@
 """Every option of every config group composes, resolves and builds; the contract's keys exist."""
 
+import logging
 import subprocess
 import sys
 
@@ -65,12 +66,19 @@ def test_every_strategy_builds(option, tmp_path):
     from starter.strategies.pp import PipelineStrategy
     from starter.strategies.tp import TensorParallelStrategy
 
-    strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy)
+    strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy, world=2)
     expected = {"auto": str, "dp": DataParallelStrategy, "ddp": DDPStrategy, "ddp_spawn": DDPStrategy,
                 "fsdp": FSDP2Strategy, "tp": TensorParallelStrategy, "pp": PipelineStrategy}  # fmt: skip
     assert isinstance(strategy, expected[option])
     if option.startswith("ddp"):
         assert strategy._start_method == ("spawn" if option == "ddp_spawn" else "popen")
+
+
+@pytest.mark.parametrize("option", ["ddp", "ddp_spawn"])
+def test_one_process_of_ddp_trains_without_the_ddp_wrapper_and_says_so(option, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="starter.strategies.build"):
+        assert build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy, world=1) == "auto"
+    assert f"strategy={option} with one process: nothing to all-reduce, so it trains as strategy=auto" in caplog.text
 
 
 def test_experiment_overrides_groups_and_keys(tmp_path):
@@ -98,6 +106,8 @@ def test_help_lists_config_groups():
     [
         (["strategy=ddp", "devices=2", "data.batch_size=63"], "does not divide by the 2 processes"),
         (["strategy=ddp", "devices=2", "num_nodes=2", "data.batch_size=66"], "does not divide by the 4 processes"),
+        (["strategy=ddp_spawn", "devices=2", "data.batch_size=63"], "does not divide by the 2 processes"),
+        (["strategy=fsdp", "strategy.cpu_offload=true", "accelerator=cpu"], "this run is on CPU already"),
         (["devices=2"], "use strategy=ddp"),
         (["devices=0"], "must be at least 1"),
         (["precision=fp8"], "choose one of 32, 16-mixed, bf16-mixed, bf16-true"),

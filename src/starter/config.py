@@ -261,6 +261,9 @@ def _check_strategy(cfg: DictConfig, devices: int) -> None:
             )
         if devices == 1:
             log.info("strategy=dp with devices=1 is single-device training: there is nothing to split")
+    if cfg.strategy.get("cpu_offload") and runs_on_cpu(cfg):
+        raise UserError(f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
+                        " CPU already; leave it false")  # fmt: skip
     if name in ("fsdp", "tp", "pp") and cfg.precision == "16-mixed" and not runs_on_cpu(cfg):
         # fp16 needs a sharded gradient scaler, which Lightning's ModelParallelStrategy does not provide, or (pp)
         # one inside the pipeline schedule.
