@@ -1,0 +1,95 @@
+"""The GPU tier: what only a CUDA device can show, run where one is (skipped elsewhere; part of `make test`).
+
+Each strategy x precision trains on one GPU and lands where strategy=auto lands at that precision (a mode that
+trained differently, like ddp_spawn without TF32 once did, shows as another accuracy); the extras that broke on a
+GPU before (fsdp with BatchNorm at bf16-mixed, tp with CUDA's foreach optimizer kernels) and compile,
+channels_last, fsdp's options, tp/pp/2D at one device train; a training step that is not a logging step makes no
+host-device synchronisation (torch.cuda.set_sync_debug_mode counts each one). The runs are `python train.py`
+processes, four at a time on the one GPU, started once for the whole module.
+"""
+
+import json
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.common import train_command
+from benchmarks.host_syncs import count
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]  # fmt: skip
+
+ONE_GPU = ["accelerator=gpu", "devices=1", "debug=limit", "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
+SMALL_IMAGES = ["data=synthetic", "data.image_shape=[3,64,64]", "data.num_classes=10", "data.train_size=256",
+                "data.eval_size=64", "data.batch_size=32"]  # fmt: skip
+CNN = [*SMALL_IMAGES, "model=cnn"]
+R18 = [*SMALL_IMAGES, "model=resnet18"]  # full examples
+STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn", "fsdp")
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+REFUSED = {("fsdp", "16-mixed"): "use precision=bf16-mixed"}  # until fsdp scales fp16 losses
+MATRIX = {f"{s}-{p}": [f"strategy={s}", f"precision={p}"] for s in STRATEGIES for p in PRECISIONS}
+EXTRAS = {
+    "cnn-compile-channels_last-bf16": [*CNN, "compile=true", "channels_last=true", "precision=bf16-mixed"],
+    "cnn-fsdp-checkpointing-bf16": [
+        *CNN,
+        "strategy=fsdp",
+        "precision=bf16-mixed",
+        "strategy.activation_checkpointing=true",
+    ],
+    "cnn-fsdp-cpu_offload": [*CNN, "strategy=fsdp", "strategy.cpu_offload=true"],
+    "cnn-ema-bf16": [*CNN, "model.ema_decay=0.99", "precision=bf16-mixed"],
+    "vit-tp-foreach-bf16": ["model=vit", "strategy=tp", "precision=bf16-mixed", "+model.optimizer.foreach=true"],
+    "vit-pp-bf16": ["model=vit", "strategy=pp", "precision=bf16-mixed"],
+    "vit-2d-bf16": ["model=vit", "strategy=fsdp", "strategy.tensor_parallel_size=1", "precision=bf16-mixed"],
+    "vit-compile-bf16": ["model=vit", "compile=true", "precision=bf16-mixed"],
+    "resnet18-fsdp-batchnorm-bf16": [*R18, "strategy=fsdp", "precision=bf16-mixed"],  # full examples
+}
+
+
+def train_on_gpu(overrides: list[str], scratch: Path) -> dict:
+    log_dir = scratch / str(time.time_ns())
+    proc = subprocess.run(train_command(*ONE_GPU, *overrides, f"paths.log_dir={log_dir}"), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    metrics = next(log_dir.glob("**/metrics.json"), None)
+    return {"code": proc.returncode, "stderr": proc.stderr[-3000:],
+            "metrics": json.loads(metrics.read_text()) if proc.returncode == 0 and metrics else {}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    scratch = tmp_path_factory.mktemp("gpu")
+    runs = {**MATRIX, **EXTRAS}
+    with ThreadPoolExecutor(4) as pool:
+        done = {name: pool.submit(train_on_gpu, overrides, scratch) for name, overrides in runs.items()}
+    return {name: future.result() for name, future in done.items()}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_strategy_and_precision_trains_on_one_gpu_like_auto(outcomes, strategy, precision):
+    run = outcomes[f"{strategy}-{precision}"]
+    if (strategy, precision) in REFUSED:
+        assert run["code"] == 2 and REFUSED[strategy, precision] in run["stderr"], run["stderr"]
+        return
+    assert run["code"] == 0, run["stderr"]
+    # the same data, seed and steps: every strategy reaches auto's test accuracy up to float reduction order
+    assert run["metrics"]["test/acc"] == pytest.approx(outcomes[f"auto-{precision}"]["metrics"]["test/acc"], abs=0.02)
+
+
+@pytest.mark.parametrize("name", EXTRAS)
+def test_gpu_extras_train(outcomes, name):
+    run = outcomes[name]
+    assert run["code"] == 0, run["stderr"]
+    assert 0.0 <= run["metrics"]["test/acc"] <= 1.0
+
+
+def test_non_logging_training_step_makes_no_host_sync_on_cuda(tmp_path):
+    syncs = count([*CNN, "accelerator=gpu", "devices=1", "precision=bf16-mixed", "channels_last=true",
+                   "data.train_size=1024", "trainer.enable_progress_bar=true"], tmp_path)["rank0"]  # fmt: skip
+    assert syncs["non_logging_steps"] >= 10
+    assert syncs["syncs_per_non_logging_step"] == 0, syncs["non_logging_sites"]
+    assert syncs["syncs_per_evaluation_step"] == 0, syncs["evaluation_sites"]
