@@ -36,6 +36,9 @@ LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, th
     "benchmarks/strategy_matrix.py",
     "benchmarks/gpu_scaling.py",
     "benchmarks/gpu_matrix.py",
+    "benchmarks/hand_loop.py",
+    "benchmarks/step_profile.py",
+    "benchmarks/folder_epoch.py",
     "benchmarks/results",  # the template's measurements: `make bench` writes the project's own
     "benchmarks/RESULTS.md",
 ]
