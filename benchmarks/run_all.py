@@ -72,7 +72,10 @@ GPU_SCALING = (
     "On a GPU machine `make bench` runs `benchmarks/gpu_scaling.py` (ResNet-50, bf16-mixed, channels_last,"
     " 1..N GPUs; `--compile` adds torch.compile). The tests run its tiny CPU form (`--tiny --accelerator cpu`)."
 )
-GPU_MATRIX = "`python -m benchmarks.gpu_matrix` on a GPU host."
+GPU_MATRIX = "`python -m benchmarks.gpu_matrix` on a GPU host; `pytest tests/test_gpu.py` asserts the same runs."
+STEP_PROFILE = "`python -m benchmarks.step_profile --model ResNet-50 --variant strategy=auto` on a GPU host."
+FOLDER_EPOCH = "`python -m benchmarks.folder_epoch` on a GPU host (generates 16,000 JPEGs)."
+DATA_GPU_HOST = "`python -m benchmarks.data_paths --workers 4 8 16` on a GPU host (adds nvJPEG decoding)."
 
 
 def measured_on_a_gpu(table: str, how: str) -> str:
@@ -107,6 +110,9 @@ def main() -> None:
         "![strategy x precision](results/strategy_matrix.png)",  # full examples
         "## GPU scaling", measured_on_a_gpu("gpu_scaling.md", GPU_SCALING),  # full examples
         "## One GPU: every strategy x precision", measured_on_a_gpu("gpu_matrix.md", GPU_MATRIX),  # full examples
+        "## One GPU: where a step's time goes", measured_on_a_gpu("step_profile.md", STEP_PROFILE),  # full examples
+        "## One GPU: can the image folder feed it", measured_on_a_gpu("folder_epoch.md", FOLDER_EPOCH),  # full examples
+        "## Data paths on a GPU host", measured_on_a_gpu("data_gpu_host.md", DATA_GPU_HOST),  # full examples
     ]  # fmt: skip
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n\n".join(s.strip() for s in sections) + "\n")
     print((ROOT / "benchmarks" / "RESULTS.md").read_text())
