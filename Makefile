@@ -1,19 +1,25 @@
 # `make train` and `make test` create the environment on first use; `make install` does only that.
+# The environment is exactly uv.lock (the versions CI tested): `uv sync --locked` refuses a lock that no longer
+# matches pyproject.toml, so a dependency changed without `make lock` fails here, and in CI.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch/torchvision pinned to the builds this starter is tested with (CUDA wheels that also run on CPU).
-TORCH := torch==2.14.1 torchvision==0.29.1
+UV := $(VENV)/bin/uv
+UV_VERSION := 0.13.8
 
-.PHONY: install train test test-fast lint bench clean
+.PHONY: install lock train test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml uv.lock
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet $(TORCH)
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet uv==$(UV_VERSION)
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync --quiet --locked --inexact --compile-bytecode --extra dev --python $(PY)
 	touch $@
+
+# After a change to the dependencies in pyproject.toml: re-resolve uv.lock (then `make install`).
+lock:
+	@test -x $(UV) || (python3 -m venv $(VENV) && $(VENV)/bin/pip install --quiet uv==$(UV_VERSION))
+	$(UV) lock
 
 train: install
 	$(PY) train.py

@@ -6,7 +6,7 @@ Only Hydra is imported here, so `--help` and config errors stay fast; torch and 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from starter.run_name import run_name
+from starter.launch.run_name import run_name
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

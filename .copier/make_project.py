@@ -4,15 +4,18 @@ and with `minimal` the larger examples go.
     python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE" full|minimal
 
 Moves src/starter to src/PACKAGE_NAME, rewrites every text file (imports, config targets, pyproject, prose), sets
-the README's title, and removes itself. The template's repository is never touched.
+the README's title, removes itself, and brings uv.lock in line with the project's pyproject.toml. The template's
+repository is never touched.
 
 What belongs to the larger examples only: the paths in LARGER_EXAMPLES, each line ending in a `# full examples`
 (or `<!-- full examples -->`) marker, and the lines between `# full examples: begin` and `# full examples: end`
 (or the same in `<!-- -->`). `minimal` deletes them; `full` keeps them and deletes only the markers.
 """
 
+import importlib.util
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +86,21 @@ def main(package: str, title: str, examples: str = "full") -> None:
         if renamed != text:
             path.write_text(renamed)
     shutil.rmtree(root / ".copier")
+    relock(root)
+
+
+def relock(root: Path) -> None:
+    """uv.lock for the project's own pyproject.toml (its package's name; minimal drops the larger examples'
+    packages): `uv lock` over the renamed lock keeps every version the template tested and changes only what the
+    project's dependencies do."""
+    if importlib.util.find_spec("uv"):
+        command = [sys.executable, "-m", "uv", "lock", "--quiet"]
+    elif shutil.which("uv"):
+        command = ["uv", "lock", "--quiet"]
+    else:
+        print("uv is not installed here: run `make lock` in the project before `make install`", file=sys.stderr)
+        return
+    subprocess.run(command, cwd=root, check=True)
 
 
 if __name__ == "__main__":

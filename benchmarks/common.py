@@ -37,26 +37,28 @@ def timed_training(overrides: list[str], scratch: Path, warmup: int = 10) -> dic
     return json.loads(timing.read_text())
 
 
-def compose(overrides: list[str], output_dir: Path):
-    """train.py's config for these overrides, with the run written to `output_dir`."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False):
+    """The config train.py would run with these overrides, its run directory `run_dir` (under log_dir
+    `run_dir.parent`), resolvable outside a Hydra run; for the tests and the benchmarks."""
+    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from starter.run_name import run_name
+    from starter.launch.run_name import run_name
 
     if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
+        OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve
     with open_dict(cfg):
-        cfg.paths.output_dir = str(output_dir)
-        del cfg.hydra
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        cfg.paths.output_dir = str(run_dir)
+        cfg.paths.log_dir = str(Path(run_dir).parent)
+        if not keep_hydra:
+            del cfg.hydra
+    return cfg
 
 
 class StepTimer(L.Callback):

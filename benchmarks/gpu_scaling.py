@@ -18,7 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, compose, markdown_table, timed_training
+from benchmarks.common import RESULTS, compose_config, markdown_table, timed_training
 
 MODELS = {"ResNet-50": ["model=resnet50", "channels_last=true"], "ViT-S/16": ["model=vit_s16"]}
 TINY = {"ResNet-18": ["model=resnet18", "channels_last=true"], "ViT (3 blocks, patch 4)": ["model=vit"]}
@@ -59,7 +59,7 @@ def hand_loop(model: list[str], args, scratch: Path) -> dict:
 
     from benchmarks.hand_loop import hand_step, seconds, training_flops_per_image
 
-    cfg = compose(overrides(model, 1, args), scratch / "hand")
+    cfg = compose_config(overrides(model, 1, args), scratch / "hand")
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     step = hand_step(cfg, args.precision, args.compile, device)
     for _ in range(args.warmup):

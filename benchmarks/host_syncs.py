@@ -24,6 +24,7 @@ from pathlib import Path
 import lightning as L
 
 from benchmarks.common import RESULTS, train_command
+from starter.logging_step import is_logging_step
 
 CONVERSIONS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
@@ -90,7 +91,7 @@ class SyncCounter(L.Callback):
             return
         if not self.undo:
             self._start(on_cuda=pl_module.device.type == "cuda")
-        logging_step = (trainer.global_step + 1) % trainer.log_every_n_steps == 0  # Lightning's rule
+        logging_step = is_logging_step(trainer)
         self.current = {"step": trainer.global_step, "logging_step": logging_step, "syncs": 0, "collectives": 0,
                         "sites": []}  # fmt: skip
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import RESULTS, StepTimer, compose, markdown_table
+from benchmarks.common import RESULTS, StepTimer, compose_config, markdown_table
 from starter.data.mnist import MEAN, STD, MNISTDataModule, write_fake_mnist
 from starter.models.nets.mlp import MLP
 
@@ -35,7 +35,7 @@ def lightning_samples_per_s(data_dir: Path, batch_size: int, scratch: Path) -> t
     from starter.run import run
 
     timing = scratch / "timing.json"
-    cfg = compose(
+    cfg = compose_config(
         ["data=mnist", f"paths.data_dir={data_dir}", "data.download=false", f"data.batch_size={batch_size}",
          "trainer.max_epochs=1", "test=false", f"paths.log_dir={scratch}", "accelerator=cpu",
          "+callbacks.step_timer._target_=benchmarks.common.StepTimer", f"+callbacks.step_timer.output={timing}"],

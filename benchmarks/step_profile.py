@@ -25,7 +25,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from benchmarks.common import RESULTS, compose, markdown_table, train_command
+from benchmarks.common import RESULTS, compose_config, markdown_table, train_command
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -141,7 +141,7 @@ def train_py(overrides: list[str], args, scratch: Path, trace: str | None) -> di
 def hand_loop(overrides: list[str], args, scratch: Path, trace: str | None) -> dict:
     from benchmarks.hand_loop import hand_step, seconds
 
-    cfg = compose(overrides, scratch / "hand")
+    cfg = compose_config(overrides, scratch / "hand")
     device = torch.device("cuda" if args.accelerator == "gpu" else "cpu")
     step = hand_step(cfg, args.precision, args.compile, device)
     for _ in range(args.warmup):

@@ -16,13 +16,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
+from benchmarks.common import compose_config  # noqa: F401 (the tests' way to compose, shared with benchmarks)
 from starter.data.mnist import write_idx
-from starter.run_name import run_name
+from starter.launch.run_name import run_name
+
+if not OmegaConf.has_resolver("run_name"):
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does, for runs made here
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -33,24 +34,6 @@ def on_cpu(overrides) -> list[str]:
     """CPU-meant runs stay on the CPU on a GPU host too; a test that names an accelerator gets it."""
     overrides = list(overrides)
     return overrides if any(o.startswith("accelerator=") for o in overrides) else ["accelerator=cpu", *overrides]
-
-
-if not OmegaConf.has_resolver("run_name"):
-    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does
-
-
-def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False):
-    """The config train.py would run with these overrides, resolvable outside a Hydra run."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(run_dir)
-        cfg.paths.log_dir = str(run_dir.parent)
-        if not keep_hydra:
-            del cfg.hydra
-    return cfg
 
 
 def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import QUIET, ROOT, compose_config, read_metrics, run_dirs, train
-from starter.config import prepare
 from starter.errors import UserError
+from starter.preflight import prepare
 
 SHORT = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=1", "test=false"]
 
@@ -110,7 +110,7 @@ def gpus(monkeypatch):
     """Make the decisions taken before launch see `n` CUDA GPUs."""
 
     def machine_with(n: int):
-        monkeypatch.setattr("starter.config.cuda_device_count", lambda: n)
+        monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: n)
 
     return machine_with
 

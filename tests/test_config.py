@@ -10,9 +10,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, compose_config
-from starter.config import PRECISIONS, prepare
 from starter.errors import UserError
+from starter.preflight import PRECISIONS, prepare
 from starter.strategies.build import build_strategy
+from starter.topology import Layout
+from starter.traits import Traits
 
 GROUPS = ["data", "model", "strategy", "trainer", "callbacks", "logger", "paths", "hydra", "experiment", "debug",
           "hparams_search"]  # fmt: skip
@@ -58,26 +60,54 @@ def test_every_model_builds_and_maps_images_to_logits(option, tmp_path):
 
 
 @pytest.mark.parametrize("option", options("strategy"))
-def test_every_strategy_builds(option, tmp_path):
-    from lightning.pytorch.strategies import DDPStrategy
+def test_every_strategy_builds_the_class_its_config_names_and_declares_known_traits(option, tmp_path):
+    from hydra.utils import get_class
+    from lightning.pytorch.strategies import Strategy
 
-    from starter.strategies.dp import DataParallelStrategy
-    from starter.strategies.fsdp import FSDP2Strategy
-    from starter.strategies.pp import PipelineStrategy
-    from starter.strategies.tp import TensorParallelStrategy
+    cfg = compose_config([f"strategy={option}"], tmp_path)
+    traits = Traits.of(cfg.strategy)  # an unknown trait name would be refused here
+    strategy = build_strategy(cfg.strategy, Layout(1, 2))
+    if "_target_" in cfg.strategy:
+        assert isinstance(strategy, get_class(cfg.strategy._target_)) and isinstance(strategy, Strategy)
+    else:
+        assert strategy == option  # a name Lightning knows
+    if traits.launcher == "spawn":
+        assert strategy._start_method == "spawn"
 
-    strategy = build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy, world=2)
-    expected = {"auto": str, "dp": DataParallelStrategy, "ddp": DDPStrategy, "ddp_spawn": DDPStrategy,
-                "fsdp": FSDP2Strategy, "tp": TensorParallelStrategy, "pp": PipelineStrategy}  # fmt: skip
-    assert isinstance(strategy, expected[option])
-    if option.startswith("ddp"):
-        assert strategy._start_method == ("spawn" if option == "ddp_spawn" else "popen")
+
+# Each trait, declared on ddp (which supports everything), drives its check: the reason given is the one shown.
+TRAIT_CHECKS = [
+    (["+strategy.traits.compiles=it cannot", "compile=true"], "compile=true with strategy=ddp: it cannot"),
+    (
+        ["+strategy.traits.clips_gradients=it cannot", "trainer.gradient_clip_val=1"],
+        "gradient_clip_val with strategy=ddp",
+    ),
+    (["+strategy.traits.whole_weights=false", "model.ema_decay=0.9"], "needs whole weights in each process"),
+    (["strategy.traits.syncs_batchnorm=false", "sync_batchnorm=true"], "sync_batchnorm=true is for strategy=ddp or"),
+    (["~strategy.traits.launcher"], "strategy=ddp runs one process on one device, but devices=2"),
+    (["+strategy.traits.pipeline=true", "+strategy.microbatches=3", "+strategy.schedule=gpipe"], "does not split into"),
+    (["+strategy.traits.unknown=true"], "declares unknown traits \\['unknown'\\]"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", TRAIT_CHECKS)
+def test_each_trait_a_strategy_declares_drives_its_check(overrides, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        prepare(compose_config(["strategy=ddp", "devices=2", "accelerator=cpu", *overrides], tmp_path))
+
+
+def test_a_strategy_that_cannot_scale_fp16_is_refused_on_gpus_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
+    cfg = compose_config(["strategy=ddp", "devices=2", "accelerator=gpu", "precision=16-mixed",
+                          "+strategy.traits.scales_fp16=no scaler"], tmp_path)  # fmt: skip
+    with pytest.raises(UserError, match="strategy=ddp cannot scale fp16 losses \\(16-mixed\\): no scaler"):
+        prepare(cfg)
 
 
 @pytest.mark.parametrize("option", ["ddp", "ddp_spawn"])
 def test_one_process_of_ddp_trains_without_the_ddp_wrapper_and_says_so(option, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="starter.strategies.build"):
-        assert build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy, world=1) == "auto"
+        assert build_strategy(compose_config([f"strategy={option}"], tmp_path).strategy, Layout(1, 1)) == "auto"
     assert f"strategy={option} with one process: nothing to all-reduce, so it trains as strategy=auto" in caplog.text
 
 
@@ -144,10 +174,10 @@ def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
 
 
 def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 0)
     with pytest.raises(UserError, match="accelerator=gpu: this machine has no CUDA GPU; use accelerator=cpu"):
         prepare(compose_config(["accelerator=gpu"], tmp_path))
-    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match="devices=4: this machine has 2 CUDA GPU"):
         prepare(compose_config(["accelerator=gpu", "strategy=ddp", "devices=4"], tmp_path))
     with pytest.raises(UserError, match="strategy=fsdp cannot scale fp16 losses .*use precision=bf16-mixed"):

@@ -12,6 +12,7 @@ from torchmetrics import SumMetric
 
 from conftest import CONF, read_metrics, run_dirs, train
 from starter.strategies.build import build_strategy
+from starter.topology import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,9 @@ def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path, monkeypatch):
     # mp.spawn passes tensors in shared memory. Lightning unshares parameters and buffers, not torchmetrics
     # states: with its plain DDPStrategy both ranks add into one tensor (each rank "counts" 10, the sync says 20)
     # and an unsynchronised += can lose a batch. The ddp_spawn config's strategy gives each rank its own.
-    strategy = build_strategy(OmegaConf.load(CONF / "strategy" / "ddp_spawn.yaml"))
+    strategy = build_strategy(
+        OmegaConf.load(CONF / "strategy" / "ddp_spawn.yaml"), Layout(nodes=1, processes_per_node=2)
+    )
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
     data = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)

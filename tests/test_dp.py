@@ -6,11 +6,11 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from conftest import compose_config, read_metrics, run_dirs, train
-from starter.config import prepare
 from starter.data.digits import DigitsDataModule
 from starter.errors import UserError
 from starter.models.classifier import Classifier
 from starter.models.nets.mlp import MLP
+from starter.preflight import prepare
 from starter.strategies.dp import DataParallelStrategy, _ClassForward
 
 GPUS = torch.cuda.device_count()

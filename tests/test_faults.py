@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import QUIET, ROOT, on_cpu, plant, read_metrics, run_dirs, train
-from starter.checkpoint_io import AtomicCheckpointIO
+from starter.checkpointing.atomic_io import AtomicCheckpointIO
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_
 
 SAVE_FOREVER = """
 import sys, torch
-from starter.checkpoint_io import AtomicCheckpointIO
+from starter.checkpointing.atomic_io import AtomicCheckpointIO
 io, i = AtomicCheckpointIO(), 0
 while True:
     io.save_checkpoint({"version": i, "w": torch.full((4_000_000,), float(i))}, sys.argv[1])

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import plant, read_metrics, run_dirs, train
-from starter.strategies.model_parallel import point_atomically
+from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
 SHORT = ["accelerator=cpu", "devices=2", "callbacks=state_bytes", "debug=limit", "trainer.max_epochs=4"]  # 20 steps

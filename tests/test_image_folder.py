@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from conftest import as_rank, compose_config, read_metrics, run_dirs, train
-from starter.config import prepare
 from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms, load_image
 from starter.data.imagenet_archives import prepare as prepare_archives
 from starter.errors import UserError
+from starter.preflight import prepare
 
 
 @pytest.fixture

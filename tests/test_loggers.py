@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import compose_config, run_dirs, sweep_jobs, train
-from starter.config import prepare
 from starter.errors import UserError
+from starter.preflight import prepare
 
 pytest.importorskip("mlflow", reason="the loggers extra: pip install -e '.[loggers]'")
 pytest.importorskip("wandb", reason="the loggers extra: pip install -e '.[loggers]'")

@@ -1,21 +1,21 @@
-"""Every strategy x precision pair on CPU, checked against the support matrix in README.md (the table is the spec):
-each pair that runs is run (a few batches); 16-mixed, which CPUs run as bf16-mixed, is checked where that is
-decided, before launch."""
+"""Every strategy x precision pair on CPU, checked against the support matrix in docs/support.md (the table is
+the spec): each pair that runs is run (a few batches); 16-mixed, which CPUs run as bf16-mixed, is checked where
+that is decided, before launch."""
 
 import re
 
 import pytest
 
 from conftest import ROOT, compose_config, run_dirs, train
-from starter.config import prepare
+from starter.preflight import prepare
 
 pytestmark = pytest.mark.slow
 PRECISIONS = ["32", "16-mixed", "bf16-mixed", "bf16-true"]
 
 
-def readme_cpu_matrix() -> dict[tuple[str, str, str], str]:
-    """{(strategy, devices, precision): outcome} from the README's "CPU (gloo)" table."""
-    text = (ROOT / "README.md").read_text()
+def documented_cpu_matrix() -> dict[tuple[str, str, str], str]:
+    """{(strategy, devices, precision): outcome} from the "CPU (gloo)" table of docs/support.md."""
+    text = (ROOT / "docs" / "support.md").read_text()
     table = text.split("**CPU (gloo)")[1].split("\n\n")[1]
     rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("|")][2:]
     matrix = {}
@@ -26,7 +26,7 @@ def readme_cpu_matrix() -> dict[tuple[str, str, str], str]:
     return matrix
 
 
-MATRIX = readme_cpu_matrix()
+MATRIX = documented_cpu_matrix()
 
 
 def test_the_readme_matrix_covers_every_strategy_and_precision():
@@ -55,7 +55,7 @@ def test_fp16_on_cpu_runs_as_the_bf16_mixed_pair_after_one_line(strategy, device
 
 
 @pytest.mark.parametrize("strategy,devices,precision", RUNS)
-def test_pair_behaves_as_the_readme_says(strategy, devices, precision, tmp_path):
+def test_pair_behaves_as_the_support_matrix_says(strategy, devices, precision, tmp_path):
     expected = MATRIX[strategy, devices, precision]
     proc = train(tmp_path, f"strategy={strategy}", f"devices={devices}", f"precision={precision}", "accelerator=cpu",
                  "debug=limit", "trainer.max_epochs=1", "test=false", expect_ok=False)  # fmt: skip
@@ -63,7 +63,7 @@ def test_pair_behaves_as_the_readme_says(strategy, devices, precision, tmp_path)
     if expected.startswith("refused"):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
-        reason = re.search(r"use `?([^`]+)`?", expected).group(1)  # the README names the alternative
+        reason = re.search(r"use `?([^`]+)`?", expected).group(1)  # the table names the alternative
         assert reason in errors[0]
         assert not list(tmp_path.glob("logs/**/*.ckpt"))
         return

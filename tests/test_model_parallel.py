@@ -18,8 +18,8 @@ from conftest import (
     sweep_jobs,
     train,  # fmt: skip
 )
-from starter.config import prepare
 from starter.errors import UserError
+from starter.preflight import prepare
 
 pytestmark = pytest.mark.slow
 # The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32.
@@ -130,10 +130,10 @@ def test_what_model_parallelism_cannot_run_is_refused_before_launch(overrides, m
     "strategy,message",
     [
         ("tp", "strategy=tp cannot scale fp16 losses"),
-        ("pp", "strategy=pp cannot scale fp16 losses .* inside its schedule"),
+        ("pp", "strategy=pp cannot scale fp16 losses .* inside the pipeline schedule"),
     ],
 )
 def test_fp16_on_gpus_is_refused_where_nothing_scales_the_loss(strategy, message, tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.config.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match=message):
         prepare(compose_config([f"strategy={strategy}", "devices=2", "precision=16-mixed"], tmp_path))

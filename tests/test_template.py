@@ -92,7 +92,7 @@ def test_the_generated_project_is_named_after_its_package_everywhere(projects, e
     assert (project / "src" / "mynet" / "run.py").is_file() and not (project / "src" / "starter").exists()
     assert 'name = "mynet"' in (project / "pyproject.toml").read_text()
     assert (project / "README.md").read_text().startswith("# mynet: a Lightning + Hydra project\n")
-    assert "_target_: mynet.models.classifier.Classifier" in (project / "conf" / "model" / "mlp.yaml").read_text()
+    assert "_target_: mynet.models.classifier.Classifier" in (project / "conf/model/base/classifier.yaml").read_text()
     assert files_mentioning(project, ["starter", "full examples"]) == []  # nor the template's markers
     assert not (project / ".copier").exists() and not (project / "copier.yml").exists()
 
@@ -112,15 +112,33 @@ def test_the_minimal_project_has_none_of_the_larger_examples_and_the_full_one_ha
             project / "conf" / "strategy" / "tp.yaml"
         ).is_file()
     else:
-        readme = (project / "README.md").read_text()
-        assert all(name in readme for name in names)
+        manual = "".join(p.read_text() for p in [project / "README.md", *sorted((project / "docs").glob("*.md"))])
+        assert [name for name in names if name not in manual] == []
+
+
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_the_generated_project_locks_its_own_dependencies_at_the_template_versions(projects, examples):
+    import tomllib
+
+    project = projects[examples]
+    check = subprocess.run([sys.executable, "-m", "uv", "lock", "--check", "--offline"], cwd=project,
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stderr[-2000:]  # the lock matches the project's pyproject.toml
+
+    def versions(lock_file):
+        return {(p["name"], p.get("version")) for p in tomllib.loads(lock_file.read_text())["package"]}
+
+    ours, template = versions(project / "uv.lock"), versions(ROOT / "uv.lock")
+    assert ("mynet", "0.1.0") in ours and ("torch", "2.14.1") in ours
+    assert ours - {("mynet", "0.1.0")} <= template  # no version moved; minimal only dropped packages
+    assert any(name == "submitit" for name, _ in ours) == (examples == "full")
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_the_generated_project_trains_and_passes_its_quick_tests_without_the_template_package(quick_runs, examples):
     run, tests = quick_runs[examples]
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "mynet.report" in run.stderr + run.stdout
+    assert "mynet.loggers.report" in run.stderr + run.stdout
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " error" not in tests.stdout and " passed" in tests.stdout
 

@@ -211,14 +211,15 @@ def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_p
     # A callback, so that ddp_spawn's fresh interpreters get it too (an H100 run at precision=32 showed they did not).
     from types import SimpleNamespace
 
+    from hydra.utils import instantiate
+
     from starter.callbacks.tf32 import TF32
-    from starter.run import built_in_callbacks
 
     def process_on(device: str):
         return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
 
-    (tf32,) = [c for c in built_in_callbacks(compose_config([], tmp_path)) if isinstance(c, TF32)]
-    assert tf32.enabled  # the default, tf32: true
+    tf32 = instantiate(compose_config([], tmp_path).callbacks.tf32)  # every run's (conf/callbacks/base.yaml)
+    assert isinstance(tf32, TF32) and tf32.enabled  # the default, tf32: true
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
         TF32(True).setup(process_on("cpu"), None, "fit")

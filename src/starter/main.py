@@ -8,9 +8,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from starter.config import prepare
 from starter.errors import UserError, one_line
-from starter.strategies.launch import WorkerFailed, launch_workers, needs_launch
+from starter.launch.launcher import WorkerFailed, launch_workers, needs_launch
+from starter.preflight import prepare
 
 log = logging.getLogger(__name__)
 
@@ -18,12 +18,12 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     try:
-        prepare(cfg)
+        layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(cfg, run_dir / "config.yaml")
-        if needs_launch(cfg):
-            launch_workers(config_path, cfg)
+        if needs_launch(cfg, layout):
+            launch_workers(config_path, layout)
             # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
             metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
         else:

@@ -1,4 +1,4 @@
-"""One process of a multi-process run: `python -m starter.worker RUN_DIR/config.yaml`, started by strategies.launch.
+"""One process of a multi-process run: `python -m starter.worker RUN_DIR/config.yaml`, started by launch/launcher.py.
 
 Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from starter.errors import UserError, one_line
-from starter.strategies.launch import join_rendezvous
+from starter.launch.launcher import join_rendezvous
 
 
 def main(config_path: str) -> int:

@@ -8,6 +8,11 @@ In place (`nn.Module.compile`), so parameter names, state dicts and checkpoints 
 import lightning as L
 
 
+def compile_module(enabled: bool, options: dict | None = None) -> "CompileModule | None":
+    """The callback for `compile` and `compile_options` (conf/callbacks/base.yaml); None when compile=false."""
+    return CompileModule(**(options or {})) if enabled else None
+
+
 class CompileModule(L.Callback):
     def __init__(self, **options):
         """`options`: torch.compile's keyword arguments (`compile_options` in the config), e.g. mode, backend."""

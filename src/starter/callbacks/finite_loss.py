@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from starter.errors import UserError
+from starter.logging_step import is_logging_step
 
 NONE_YET = 2**62  # the first bad batch's index when there is none (the minimum over ranks is the first)
 
@@ -42,7 +43,7 @@ class StopOnNonFiniteLoss(L.Callback):
         self.first_bad = torch.where(first, self.counter, self.first_bad)
         self.bad_loss = torch.where(first, loss, self.bad_loss)
         self.counter.add_(1)
-        if trainer.global_step % trainer.log_every_n_steps == 0:  # the step just taken was a logging step
+        if is_logging_step(trainer):
             self._check(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:

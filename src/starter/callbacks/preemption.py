@@ -18,6 +18,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from starter.logging_step import is_logging_step
+
 
 class SaveOnSigterm(L.Callback):
     def __init__(self, dirpath: str, filename: str = "last.ckpt"):
@@ -36,7 +38,7 @@ class SaveOnSigterm(L.Callback):
             return
         if trainer.world_size == 1:
             stop = self.requested  # no collective: under DDP even a world of one would sync the host per step
-        elif trainer.global_step % trainer.log_every_n_steps:
+        elif not is_logging_step(trainer):
             return
         else:
             stop = trainer.strategy.reduce_boolean_decision(self.requested, all=False)

@@ -16,6 +16,11 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 
 
+def weight_averaging(decay: float | None, warmup_epochs: float = 0) -> "AveragedWeights | None":
+    """The callback for `model.ema_decay` (conf/callbacks/base.yaml); None when it is null (no averaging)."""
+    return None if decay is None else AveragedWeights(float(decay), int(warmup_epochs or 0))
+
+
 class AveragedWeights(EMAWeightAveraging):
     def __init__(self, decay: float, warmup_epochs: int = 0):
         super().__init__(decay=decay)

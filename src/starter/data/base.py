@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from starter.config import per_process_batch_size
 from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.errors import UserError
+from starter.topology import per_process_batch
 
 
 class ShardedDataModule(L.LightningDataModule):
@@ -69,7 +69,7 @@ class ShardedDataModule(L.LightningDataModule):
             raise UserError(f"the {split} split is empty; give it samples (for digits: data.split)")
         if len(dataset) < world:
             raise UserError(f"the {split} split has {len(dataset)} samples, fewer than the {world} processes")
-        batch_size = per_process_batch_size(self.batch_size, world)
+        batch_size = per_process_batch(self.batch_size, world)
         options = dict(
             collate_fn=getattr(dataset, "collate_fn", None),  # a data set may batch itself (TensorPairs)
             num_workers=self.num_workers,

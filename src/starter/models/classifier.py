@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
+from starter.logging_step import is_logging_step
+
 
 class SampleMean(Metric):
     """The mean of per-sample values over every sample seen, from batch sums and counts (no checks, no syncs)."""
@@ -69,7 +71,7 @@ class Classifier(L.LightningModule):
         loss = self.criterion(logits, labels)
         # self.log costs ~0.2 ms a call; the logger keeps only every log_every_n_steps-th value anyway. Not on
         # Lightning's progress bar: it would read the value (a host sync) at every later step of the epoch.
-        if self.trainer.global_step % self.trainer.log_every_n_steps == self.trainer.log_every_n_steps - 1:
+        if is_logging_step(self.trainer):
             self.log("train/loss", loss)  # this rank's value, this batch
             hard = labels if labels.dim() == 1 else labels.argmax(dim=-1)  # soft targets: their largest share
             self.log("train/acc", (logits.detach().argmax(dim=-1) == hard).float().mean())

@@ -1,24 +1,37 @@
-"""The Lightning strategy object (or "auto") for the `strategy` config group."""
+"""The Lightning strategy object (or a name Lightning knows, e.g. "auto") for the `strategy` config group."""
 
+import inspect
 import logging
 
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from starter.topology import Layout
+from starter.traits import Traits
 
 log = logging.getLogger(__name__)
 
-# Keys of a strategy config that describe the mode to this starter and are not arguments of its class.
-DESCRIPTIVE_KEYS = ("name", "launcher", "one_process")
+# Keys of a strategy config that describe the mode to this starter (read by topology.py and the traits), not
+# arguments of its class.
+DESCRIPTIVE_KEYS = ("name", "traits", "tensor_parallel_size", "pipeline_parallel_size")
 
 
-def build_strategy(strategy_cfg: DictConfig, world: int):
-    """`world`: the run's process count. A mode that declares `one_process` runs as that strategy in a run of one
-    process (ddp: one process has nothing to all-reduce, and DDP's wrapper costs ~15% of a step on one GPU)."""
-    if world == 1 and strategy_cfg.get("one_process"):
+def build_strategy(strategy_cfg: DictConfig, layout: Layout):
+    """A strategy whose traits name `one_process` runs as that strategy in a run of one process (ddp: one process
+    has nothing to all-reduce, and DDP's wrapper cost ~15% of a step on one GPU). A class whose constructor takes
+    `layout` gets it: the process sizes it meshes by, computed once."""
+    traits = Traits.of(strategy_cfg)
+    if layout.world == 1 and traits.one_process:
         log.info("strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"
-                 " optimisation, without the DDP wrapper)", strategy_cfg.name, strategy_cfg.one_process)  # fmt: skip
-        return strategy_cfg.one_process
+                 " optimisation, without the DDP wrapper)", strategy_cfg.name, traits.one_process)  # fmt: skip
+        return traits.one_process
     kwargs = {k: v for k, v in OmegaConf.to_container(strategy_cfg).items() if k not in DESCRIPTIVE_KEYS}
     if "_target_" not in kwargs:
-        return strategy_cfg.name  # a name Lightning knows, e.g. "auto"
-    return instantiate(kwargs)
+        return strategy_cfg.name
+    make = instantiate(kwargs, _partial_=True)  # called below: Hydra would turn a dataclass argument into config
+    return make(layout=layout) if takes_layout(get_class(kwargs["_target_"])) else make()
+
+
+def takes_layout(cls) -> bool:
+    """Whether a constructor of `cls`, its own or one it inherits, has a `layout` parameter."""
+    return any("layout" in inspect.signature(c.__init__).parameters for c in cls.__mro__ if "__init__" in vars(c))

@@ -82,8 +82,8 @@ def move_state_but_parameters(module: nn.Module, device) -> None:
 
 
 class FSDP2Strategy(OutsideModelParallel):
-    """FSDP2 over the data-parallel ranks; with `tensor_parallel_size` > 1, tensor parallel within groups of that
-    many ranks first (2D: the layout of large-model training; the data-parallel rank alone decides the batch)."""
+    """FSDP2 over the data-parallel ranks; with `strategy.tensor_parallel_size` > 1, tensor parallel within groups of
+    that many ranks first (2D: the layout of large-model training; the data-parallel rank alone decides the batch)."""
 
     strategy_name = "fsdp"
 
@@ -93,7 +93,6 @@ class FSDP2Strategy(OutsideModelParallel):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
-        tensor_parallel_size: int = 1,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -101,10 +100,6 @@ class FSDP2Strategy(OutsideModelParallel):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
-        self.tensor_parallel = int(tensor_parallel_size)
-
-    def mesh_sizes(self) -> tuple[int, int]:
-        return self.num_nodes * self.num_processes // self.tensor_parallel, self.tensor_parallel
 
     def place(self) -> None:
         if self.cpu_offload:
@@ -118,7 +113,7 @@ class FSDP2Strategy(OutsideModelParallel):
 
     def parallelize(self, module: nn.Module) -> None:
         # torchtitan's order: tensor parallel, then activation checkpointing, then FSDP.
-        if self.tensor_parallel > 1:
+        if self.layout.tensor_parallel > 1:
             apply_tensor_parallel(module, self.device_mesh["tensor_parallel"])
         units = sharding_units(module, self.unit_names)
         if self.activation_checkpointing:

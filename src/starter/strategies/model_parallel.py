@@ -1,13 +1,12 @@
 """What fsdp, tp and pp share: Lightning's ModelParallelStrategy with the parallelism applied from outside.
 
 Lightning's ModelParallelStrategy expects the LightningModule to parallelize itself in `configure_model`;
-here a subclass does it in `parallelize`, so the module stays strategy-agnostic. The process layout is a
-device mesh of (data parallel, tensor parallel) sizes that each subclass decides. Checkpoints are sharded
+here a subclass does it in `parallelize`, so the module stays strategy-agnostic. The device mesh has the sizes
+of the run's layout (topology.py), handed over when the strategy is built. Checkpoints are sharded
 directories (one file per rank + metadata, torch.distributed.checkpoint); each save writes a new directory
 that `last.ckpt`/`best.ckpt` (symlinks) then point at atomically, so a kill never leaves a mix.
 """
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,15 +17,20 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from starter.checkpointing.sharded import point_atomically
+from starter.topology import Layout
+
 
 class OutsideModelParallel(ModelParallelStrategy):
-    def __init__(self, save_distributed_checkpoint: bool = True, **kwargs):
+    def __init__(self, layout: Layout, save_distributed_checkpoint: bool = True, **kwargs):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.layout = layout  # the process sizes (topology.py), computed once before launch
         self.parallelized = False  # fit, then test in the same process: parallelize once
 
     def mesh_sizes(self) -> tuple[int, int]:
-        """(data parallel, tensor parallel) sizes; their product is the world size."""
-        raise NotImplementedError
+        """(data parallel, tensor parallel) sizes of Lightning's device mesh; their product is the world size (a
+        pipeline's stages count as data parallel to the mesh, which the pipeline does not use)."""
+        return self.layout.world // self.layout.tensor_parallel, self.layout.tensor_parallel
 
     def parallelize(self, module: nn.Module) -> None:
         """Apply this strategy's parallelism to `module` (the LightningModule, on its device) in place."""
@@ -79,16 +83,3 @@ class OutsideModelParallel(ModelParallelStrategy):
             link.unlink()
         else:
             super().remove_checkpoint(filepath)
-
-
-def point_atomically(link: Path, target: str) -> None:
-    """Make `link` a symlink to the sibling directory `target` with one rename, then delete its older versions
-    (also those a killed save left half-written)."""
-    temporary = link.with_name(f".{target}.link")
-    os.symlink(target, temporary)  # relative: the run directory can be moved
-    if link.is_dir() and not link.is_symlink():
-        shutil.rmtree(link)  # a plain sharded directory (written without this strategy)
-    os.replace(temporary, link)
-    for old in link.parent.glob(f"{link.name}.*"):
-        if old.name != target:
-            shutil.rmtree(old, ignore_errors=True)

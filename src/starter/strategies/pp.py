@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from starter.errors import UserError
+from starter.logging_step import is_logging_step
 from starter.strategies.model_parallel import OutsideModelParallel
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -82,9 +83,6 @@ class PipelineStrategy(OutsideModelParallel):
         self.batch_rows = 0
         self.gradients: list = []
 
-    def mesh_sizes(self) -> tuple[int, int]:
-        return self.num_nodes * self.num_processes, 1  # the mesh is not used; the pipeline group is every rank
-
     @property
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": 1, "rank": 0}  # every stage sees the same batches
@@ -129,7 +127,7 @@ class PipelineStrategy(OutsideModelParallel):
             self.gradients = [parameter.grad for parameter in parameters]
             for parameter in parameters:
                 parameter.grad = None
-            if (trainer.global_step + 1) % trainer.log_every_n_steps == 0:  # Lightning writes logs at this step
+            if is_logging_step(trainer):  # rank 0 writes this step's logs: it needs the output
                 output = self.broadcast(output.detach().cpu() if self.is_last else None, src=self.last_rank)
                 if self.is_global_zero and not self.is_last:
                     return self._with_output(output.to(self.root_device), "training_step", batch, batch_idx)

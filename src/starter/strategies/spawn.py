@@ -7,7 +7,7 @@ Three things a spawned run needs that Lightning 2.6 does not do:
   unsynchronised `+=` could lose an update: test/loss wrong by one batch's weight, seen in CI.
 - Hold the rendezvous port. Lightning picks a port that is free now and rank 0 binds it seconds later (after
   importing torch), so two runs started at once could take the same one. The store is served by this
-  process instead, on a port the OS picks, as in strategies/launch.py; the children are its clients.
+  process instead, on a port the OS picks, as in launch/launcher.py; the children are its clients.
 - Close the process group when the process is done. Left to interpreter shutdown, gloo can abort a rank
   after a successful run ("terminate called without an active exception", exit -6). Done after the whole
   fit/test, user hooks included, and only on success: a failed rank must exit, not wait for the others.
@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
-from starter.strategies.launch import AGENT_STORE, serve_store
+from starter.launch.launcher import AGENT_STORE, serve_store
 
 
 class DDPSpawnStrategy(DDPStrategy):

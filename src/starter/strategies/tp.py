@@ -6,7 +6,7 @@ all-reduce sums the partial outputs); a transformer MLP's first layer column-wis
 plain stack of Linear layers, consecutive pairs likewise. The activation between a pair stays split, so each
 pair costs one all-reduce in forward and one in backward. Everything else (embedding, norms, the head) is
 replicated: every rank of the group sees the same batch and computes the same values for it.
-Nets made of such layers: `mlp`, `vit` (config.TENSOR_PARALLEL_NETS, checked before launch).
+Nets made of such layers: `mlp`, `vit` (preflight.TENSOR_PARALLEL_NETS, checked before launch).
 """
 
 from torch import nn
@@ -46,9 +46,6 @@ class TensorParallelStrategy(OutsideModelParallel):
     """Every process of the run in one tensor-parallel group: each holds 1/N of the split layers' weights."""
 
     strategy_name = "tp"
-
-    def mesh_sizes(self) -> tuple[int, int]:
-        return 1, self.num_nodes * self.num_processes
 
     def parallelize(self, module: nn.Module) -> None:
         apply_tensor_parallel(module, self.device_mesh["tensor_parallel"])

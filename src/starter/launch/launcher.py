@@ -1,4 +1,4 @@
-"""Starts one worker process per device for strategies that re-run the program per rank (ddp, fsdp).
+"""Starts one worker process per device for strategies whose traits name this launcher (ddp, fsdp, tp, pp).
 
 Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-composes the config, makes a
 second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
@@ -21,9 +21,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from starter.config import device_count, external_launcher, world_size
 from starter.errors import PREEMPTED_EXIT_CODE
-from starter.run_name import shared_store
+from starter.launch.environment import external_launcher
+from starter.launch.run_name import shared_store
+from starter.topology import Layout
+from starter.traits import Traits
 
 PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
 PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"  # other ranks: read that port on stdin
@@ -44,22 +46,22 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def needs_launch(cfg: DictConfig) -> bool:
-    """Whether this job starts the workers: a multi-process strategy that torchrun or SLURM did not start
-    (LOCAL_RANK set by any other launcher also means the ranks exist)."""
-    if cfg.strategy.get("launcher") != "subprocess" or world_size(cfg) == 1 or "LOCAL_RANK" in os.environ:
+def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
+    """Whether this job starts the workers: a strategy this launcher starts, of several processes, that torchrun
+    or SLURM did not start (LOCAL_RANK set by any other launcher also means the ranks exist)."""
+    if Traits.of(cfg.strategy).launcher != "subprocess" or layout.world == 1 or "LOCAL_RANK" in os.environ:
         return False
-    return external_launcher(cfg) is None
+    return external_launcher(layout.world) is None
 
 
-def launch_workers(config_path: Path, cfg: DictConfig, grace_s: float = 10.0) -> None:
-    devices = device_count(cfg.devices)
+def launch_workers(config_path: Path, layout: Layout, grace_s: float = 10.0) -> None:
+    devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
         os.environ,
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         NODE_RANK=str(node_rank),
-        WORLD_SIZE=str(world_size(cfg)),
+        WORLD_SIZE=str(layout.world),
         # as torchrun: the cores shared out, not every worker running a thread per core of the machine
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )

@@ -4,7 +4,7 @@ A time stamp, except where several processes each compose the config and must ag
 - torchrun: rank 0's stamp, shared through torchrun's own key-value store;
 - our launcher on several nodes (NODE_RANK, MASTER_ADDR, MASTER_PORT set, num_nodes > 1): node 0's job serves a
   store at MASTER_PORT for the whole run and shares its stamp; every node's workers then use that store for
-  their rendezvous (torch's agent-store contract, as under torchrun; strategies/launch.py);
+  their rendezvous (torch's agent-store contract, as under torchrun; launch/launcher.py);
 - SLURM tasks started by `srun` (one per rank): `slurm-<job id>.<step id>`, which every task knows; a
   requeued job keeps its job id, so `ckpt_path=auto` finds its own directory again.
 """
@@ -13,7 +13,7 @@ import os
 from datetime import datetime, timedelta
 from functools import cache
 
-from starter.config import slurm_tasks
+from starter.launch.environment import slurm_tasks
 
 KEY = "starter/run_name"
 _shared_store = None  # the store of a several-node launch, held (node 0: served) for as long as this job runs
@@ -37,7 +37,7 @@ def run_name(num_nodes: int = 1) -> str:
     if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
         node_zero = int(os.environ["NODE_RANK"]) == 0
         return _share(stamp, KEY, serve=node_zero, first=node_zero)
-    return stamp  # anything missing for several nodes is reported in one line by config.prepare
+    return stamp  # anything missing for several nodes is reported in one line by preflight.prepare
 
 
 def _share(stamp: str, key: str, serve: bool, first: bool) -> str:

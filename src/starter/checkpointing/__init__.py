@@ -1,0 +1,1 @@
+"""Checkpoints: atomic files, sharded directories behind an atomic link, what ckpt_path names, the model.pt export."""

@@ -1,0 +1,92 @@
+"""What `ckpt_path` names, and whether it can be loaded here: resolved before launch (`last`, `auto`, a path),
+checked against the model before training, loaded weights-only (a checkpoint holding pickled code is refused).
+"""
+
+import logging
+import pickle
+from contextlib import contextmanager
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from starter.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
+    """`last`: the newest checkpoints/last.ckpt among this task's runs. `auto`: this run directory's own
+    last.ckpt if it has one (a requeued SLURM job continues), else none (a fresh start). Else: a path that exists."""
+    if cfg.ckpt_path == "auto":
+        own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if own.exists():
+            log.info("ckpt_path=auto -> %s (resuming this run)", own)
+            return own
+        return None
+    if cfg.ckpt_path == "last":
+        task_dir = Path(cfg.paths.log_dir) / cfg.task_name
+        this_run = Path(cfg.paths.output_dir).resolve()
+        found = [p for p in task_dir.glob("**/checkpoints/last.ckpt") if this_run not in p.resolve().parents]
+        if not found:
+            raise UserError(f"ckpt_path=last: no checkpoints/last.ckpt under {task_dir}; train first or give a path")
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        log.info("ckpt_path=last -> %s", newest)
+        return newest
+    path = Path(cfg.ckpt_path)
+    if not path.exists():  # a file, or a directory for sharded checkpoints
+        raise UserError(f"ckpt_path={cfg.ckpt_path}: no such file")
+    return path
+
+
+def sharding_strategy(checkpoint: Path) -> str:
+    """The strategy that wrote a sharded checkpoint directory: its run's config says."""
+    config = checkpoint.resolve().parent.parent / "config.yaml"
+    if config.is_file():
+        from omegaconf import OmegaConf
+
+        return str(OmegaConf.load(config).strategy.name)
+    return "fsdp"
+
+
+def check_sharded_writer(path: Path, strategy: str) -> None:
+    """A sharded checkpoint is read by the strategy that wrote it."""
+    if path.is_dir() and strategy != (writer := sharding_strategy(path)):
+        raise UserError(
+            f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with strategy={writer}"
+        )
+
+
+def check_checkpoint_fits(model, path: Path) -> None:
+    """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size)."""
+    import torch
+
+    if path.is_dir():
+        return  # a sharded checkpoint: torch.distributed.checkpoint reports mismatches itself on load
+    try:
+        with refusing_pickled_code(path):
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {str(err).splitlines()[0]}") from err
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in saved.items()}
+    if expected != found:
+        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        resized = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
+        raise UserError(
+            f"ckpt_path={path} holds weights of a different model (missing {missing[:3]}, unexpected"
+            f" {unexpected[:3]}, other shapes {resized[:3]}); use the model config of the run that saved it"
+        )
+
+
+@contextmanager
+def refusing_pickled_code(path):
+    """Checkpoints load weights-only: one that holds a pickled object (code that would run) is refused in one line."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"ckpt_path={path} holds pickled objects besides tensors ({str(err).splitlines()[0][:120]}...);"
+            " refused: loading it could run code. Load only checkpoints written by this starter"
+        ) from None

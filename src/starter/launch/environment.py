@@ -1,0 +1,80 @@
+"""What the environment says about the run before anything starts: the GPUs this machine has, whether torchrun or
+SLURM started the ranks already, and the rendezvous variables several nodes need. Imports torch only to count
+GPUs, and only where a GPU driver exists."""
+
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from starter.errors import UserError
+from starter.topology import device_count
+
+log = logging.getLogger(__name__)
+
+
+def cuda_device_count() -> int:
+    """GPUs that torch sees; 0 without importing torch (about 2 s) on a machine with no GPU driver at all."""
+    if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):  # NVIDIA, AMD (ROCm)
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def external_launcher(world: int) -> str | None:
+    """Who started every rank of a run of `world` processes already: "torchrun", "slurm" (one task per rank), or
+    None (nobody: one process, or our launcher starts the workers; then SLURM's variables must not decide ranks)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    tasks = slurm_tasks()
+    if tasks <= 1:
+        return None
+    if tasks != world:
+        raise UserError(
+            f"SLURM started {tasks} tasks but devices x num_nodes = {world}; ask SLURM for one task per"
+            f" device (--ntasks-per-node=<devices>), or for one task (--ntasks=1) and let train.py start the workers"
+        )
+    return "slurm"
+
+
+def slurm_tasks() -> int:
+    """SLURM_NTASKS of an `srun` step; 0 outside SLURM and in an interactive shell (Lightning's own rule)."""
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return 0
+    return int(os.environ.get("SLURM_NTASKS", 0))
+
+
+def adopt_torchrun_sizes(cfg: DictConfig) -> None:
+    """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    local, total = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = total // local
+    if (device_count(cfg.devices), int(cfg.num_nodes)) == (local, nodes):
+        return
+    if (device_count(cfg.devices), int(cfg.num_nodes)) != (1, 1):
+        raise UserError(
+            f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local} process(es) per node"
+            f" on {nodes} node(s); use devices={local} num_nodes={nodes}, or leave both out"
+        )
+    log.info("torchrun: devices=%d num_nodes=%d (from LOCAL_WORLD_SIZE and WORLD_SIZE)", local, nodes)
+    cfg.devices, cfg.num_nodes = local, nodes
+
+
+def check_rendezvous(nodes: int) -> None:
+    """Our launcher's processes on `nodes` nodes need the rendezvous address on every node: say so before anything
+    waits on it."""
+    if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
+        raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
+    if nodes == 1:
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not os.environ.get(name)]
+    if missing:
+        raise UserError(
+            f"num_nodes={nodes}: set {', '.join(missing)} on every node (MASTER_ADDR and MASTER_PORT the same"
+            f" everywhere, NODE_RANK 0 to {nodes - 1})"
+        )
+    if not 0 <= int(os.environ["NODE_RANK"]) < nodes:
+        raise UserError(f"NODE_RANK={os.environ['NODE_RANK']}: with num_nodes={nodes} it must be 0 to {nodes - 1}")

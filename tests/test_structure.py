@@ -1,0 +1,67 @@
+"""The package's shape holds: no import cycles, between modules or between folders; every import runs down the
+layers below; and what runs before launch (config errors, --help) imports neither torch nor Lightning."""
+
+import ast
+import subprocess
+import sys
+from graphlib import CycleError, TopologicalSorter
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "src" / "starter"
+# Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
+LAYERS = [
+    {"errors", "logging_step"},
+    {"traits", "topology", "loggers", "checkpointing", "models", "callbacks"},
+    {"data", "launch"},
+    {"strategies"},
+    {"preflight", "run"},
+    {"main", "worker"},
+]
+
+
+def imports() -> dict[str, set[str]]:
+    """{module: the starter modules it imports, at the top or inside a function}, by dotted name."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("starter"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.startswith("starter")}
+        graph[name] = found - {name}
+    return graph
+
+
+def unit(module: str) -> str:
+    """The folder (starter.strategies.fsdp -> strategies) or root module (starter.run -> run) a module is in."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_module_imports_itself_through_others():
+    try:
+        TopologicalSorter(imports()).prepare()
+    except CycleError as err:
+        raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+
+
+def test_folders_and_root_modules_form_layers_that_import_only_downwards():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    units = {unit(m) for m in imports()} - {"starter"}
+    assert units == set(layer), f"units not in LAYERS: {units - set(layer)}; gone: {set(layer) - units}"
+    upward = sorted(f"{m} -> {target}" for m, targets in imports().items() for target in targets
+                    if unit(m) != "starter" and layer[unit(target)] > layer[unit(m)])  # fmt: skip
+    assert not upward, upward
+    folder_graph = {}
+    for module, targets in imports().items():
+        folder_graph.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    TopologicalSorter(folder_graph).prepare()  # raises CycleError if two folders import each other
+
+
+def test_the_checks_before_launch_import_neither_torch_nor_lightning():
+    probe = "import sys, starter.preflight, starter.main; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
