@@ -1,6 +1,7 @@
 """Which mode when, measured: per-rank bytes of parameters, gradients and optimizer state, peak memory and
-samples/s of one process, ddp, fsdp, tp, pp (1f1b) and 2D (fsdp x tp) on a ViT large enough for the split to
-show (8 blocks of width 512, 17M parameters, AdamW), through `python train.py` as a user runs it.
+samples/s of one process, ddp, fsdp, tp, pp (1f1b), 2D (fsdp x tp), pp x dp and 3D (fsdp x pp x tp) on a ViT
+large enough for the split to show (8 blocks of width 512, 17M parameters, AdamW), through `python train.py` as
+a user runs it.
 
 Bytes are what each rank holds (`callbacks=state_bytes`, after the second step); "vs ddp" divides by ddp's.
 Peak memory on CPU is the resident set of each process, libraries included (about 0.7 GB before any tensor).
@@ -23,6 +24,13 @@ MODES = {
     "tp": ["strategy=tp", "devices=2"],
     "pp (1f1b, 4 micro-batches)": ["strategy=pp", "devices=2"],
     "2D: fsdp x tp (2 x 2)": ["strategy=fsdp", "strategy.tensor_parallel_size=2", "devices=4"],
+    "pp x dp (2 stages x 2)": ["strategy=pp", "strategy.pipeline_parallel_size=2", "devices=4"],
+    "3D: fsdp x pp x tp (2 x 2 x 2)": [
+        "strategy=fsdp",
+        "strategy.pipeline_parallel_size=2",
+        "strategy.tensor_parallel_size=2",
+        "devices=8",
+    ],
 }
 KINDS = ("parameters", "gradients", "optimizer")
 

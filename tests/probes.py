@@ -96,3 +96,50 @@ class RecordLearningRates(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.output.write_text(json.dumps(self.rates))
+
+
+class RecordGradientNorms(L.Callback):
+    """Writes `<output>`: the norm of the whole gradient before each optimizer step, before clipping (one process)."""
+
+    def __init__(self, output: str):
+        self.output, self.norms = Path(output), []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        import torch
+
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.output.write_text(json.dumps(self.norms))
+
+
+class InfGradientAtStep(L.Callback):
+    """Makes one gradient element inf on rank `rank` only, after the backward of optimizer step `step`: an fp16
+    overflow that one process meets."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            from torch.distributed.tensor import DTensor
+
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in pl_module.parameters()
+                     if p.grad is not None]  # fmt: skip
+            next(g for g in local if g.numel()).view(-1)[0] = float("inf")  # a shard of this rank may be empty
+
+
+class RecordLossScale(L.Callback):
+    """Writes `<output>/rank<r>.json`: the fp16 loss scale at the start and at the end of training."""
+
+    def __init__(self, output: str):
+        self.output, self.start = Path(output), None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.output.mkdir(parents=True, exist_ok=True)
+        scale = {"start": self.start, "end": trainer.precision_plugin.scaler.get_scale()}
+        (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(scale))

@@ -40,12 +40,23 @@ def test_contract_groups_and_top_level_keys_exist(tmp_path):
 def test_every_option_composes_and_resolves(group, option, tmp_path):
     cfg = compose_config([f"{group}={option}"], tmp_path)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["trainer"]["precision"] in ("32", 32, "16-mixed", "bf16-mixed", "bf16-true")
+    assert str(resolved["precision"]) in PRECISIONS
 
 
 @pytest.mark.parametrize("value", PRECISIONS)
-def test_precision_key_sets_trainer_precision(value, tmp_path):
-    assert str(compose_config([f"precision={value}"], tmp_path).trainer.precision) == value
+def test_the_precision_key_builds_the_precision_plugin_with_a_loss_scaler_for_fp16(value):
+    import torch
+
+    from starter.strategies.precision import SharedOverflowScaler, precision_plugin
+
+    plugin = precision_plugin(value, "cpu", whole_weights=False)
+    assert plugin.precision == {"32": "32-true"}.get(value, value)
+    scaler = getattr(plugin, "scaler", None)
+    assert isinstance(scaler, SharedOverflowScaler) == (value == "16-mixed")
+    if value == "16-mixed":  # fp16 autocast on the CPU, not bf16; the overflow decision shared between ranks
+        assert scaler.shared and plugin.device == "cpu"
+        with plugin.forward_context():
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
 
 
 @pytest.mark.parametrize("option", options("model"))
@@ -85,7 +96,7 @@ TRAIT_CHECKS = [
     (["+strategy.traits.whole_weights=false", "model.ema_decay=0.9"], "needs whole weights in each process"),
     (["strategy.traits.syncs_batchnorm=false", "sync_batchnorm=true"], "sync_batchnorm=true is for strategy=ddp or"),
     (["~strategy.traits.launcher"], "strategy=ddp runs one process on one device, but devices=2"),
-    (["+strategy.traits.pipeline=true", "+strategy.microbatches=3", "+strategy.schedule=gpipe"], "does not split into"),
+    (["+strategy.traits.pipeline=true", "+strategy.microbatches=3", "+strategy.schedule=gpipe"], "=3 does not divide"),
     (["+strategy.traits.unknown=true"], "declares unknown traits \\['unknown'\\]"),
 ]
 
@@ -96,7 +107,7 @@ def test_each_trait_a_strategy_declares_drives_its_check(overrides, message, tmp
         prepare(compose_config(["strategy=ddp", "devices=2", "accelerator=cpu", *overrides], tmp_path))
 
 
-def test_a_strategy_that_cannot_scale_fp16_is_refused_on_gpus_with_its_reason(tmp_path, monkeypatch):
+def test_a_strategy_that_cannot_scale_fp16_is_refused_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
     cfg = compose_config(["strategy=ddp", "devices=2", "accelerator=gpu", "precision=16-mixed",
                           "+strategy.traits.scales_fp16=no scaler"], tmp_path)  # fmt: skip
@@ -150,13 +161,10 @@ def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
         prepare(compose_config(overrides, tmp_path / "run"))
 
 
-def test_fp16_on_cpu_is_redirected_to_bf16_in_one_line(tmp_path, caplog):
+def test_fp16_on_cpu_stays_fp16(tmp_path, caplog):
     cfg = compose_config(["precision=16-mixed", "accelerator=cpu"], tmp_path)
     prepare(cfg)
-    assert cfg.trainer.precision == "bf16-mixed"
-    assert [r.getMessage() for r in caplog.records] == [
-        "precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)"
-    ]
+    assert cfg.precision == "16-mixed" and not caplog.records
 
 
 def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
@@ -180,8 +188,6 @@ def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
     monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match="devices=4: this machine has 2 CUDA GPU"):
         prepare(compose_config(["accelerator=gpu", "strategy=ddp", "devices=4"], tmp_path))
-    with pytest.raises(UserError, match="strategy=fsdp cannot scale fp16 losses .*use precision=bf16-mixed"):
-        prepare(compose_config(["accelerator=gpu", "strategy=fsdp", "devices=2", "precision=16-mixed"], tmp_path))
     cfg = compose_config(["accelerator=gpu", "strategy=dp", "devices=2", "precision=16-mixed"], tmp_path)
     prepare(cfg)  # dp on 2 GPUs with real fp16: allowed, nothing redirected
     assert cfg.precision == "16-mixed"

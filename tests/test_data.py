@@ -52,6 +52,51 @@ def test_two_ranks_together_load_exactly_the_single_process_global_batches():
     assert not torch.equal(first_epoch, second_epoch)  # reshuffled each epoch
 
 
+class RandomCrops(torch.utils.data.Dataset):
+    """An augmenting data set: each item drawn from the loader worker's random generator."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int):
+        return torch.randint(0, 256, (1, 2, 2), dtype=torch.uint8), index % 2
+
+
+def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations(monkeypatch):
+    # Two processes of one tensor-parallel group (or pipeline): one data-parallel place, global ranks 0 and 1. The
+    # trainer seeds loader workers as Lightning does (seed_everything(workers=True)), from the global rank unless
+    # the loader brings its own; and each process's global generator has drawn differently by then.
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    drawn = []
+    for global_rank in (0, 1):
+        dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=1), 1, 0)
+        dm.train_set = RandomCrops()
+        torch.manual_seed(global_rank)
+        loader = dm.train_dataloader()
+        _auto_add_worker_init_fn(loader, global_rank)
+        drawn.append(torch.cat([images for images, _ in batches(loader)]))
+    assert torch.equal(drawn[0], drawn[1])
+
+
+def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():
+    # A pipeline's first stage mixes the images, its last stage the labels: both must draw the same mixing,
+    # whatever each process's global generator has drawn before.
+    images, labels = torch.randint(0, 256, (8, 1, 8, 8), dtype=torch.uint8), torch.arange(8) % 10
+    mixed = []
+    for global_rank in (0, 1):
+        dm = as_rank(DigitsDataModule(mixup_alpha=0.8, cutmix_alpha=1.0, **DIGITS), 1, 0)
+        progress = SimpleNamespace(total=SimpleNamespace(ready=3))
+        dm.trainer.training = True
+        dm.trainer.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
+        dm.trainer.precision_plugin = SimpleNamespace(convert_input=lambda x: x)
+        torch.manual_seed(global_rank)
+        mixed.append(dm.on_after_batch_transfer((images, labels), 0))
+    assert torch.equal(mixed[0][0], mixed[1][0]) and torch.equal(mixed[0][1], mixed[1][1])
+    assert not torch.equal(mixed[0][1], torch.nn.functional.one_hot(labels, 10).float())  # mixed indeed
+
+
 def test_evaluation_shards_cover_an_odd_split_exactly_once():
     dm = DigitsDataModule(batch_size=64, **DIGITS)
     dm.setup()

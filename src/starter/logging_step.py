@@ -10,5 +10,9 @@ def is_logging_step(trainer) -> bool:
     every = trainer.log_every_n_steps
     if not every:
         return False
-    loop = trainer.fit_loop
-    return not loop._should_accumulate() and (loop.epoch_loop._batches_that_stepped + 1) % every == 0
+    return steps_optimizer(trainer) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+
+
+def steps_optimizer(trainer) -> bool:
+    """Whether the batch now under way ends in an optimizer step (not one whose gradients are accumulated)."""
+    return not trainer.fit_loop._should_accumulate()

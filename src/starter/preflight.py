@@ -9,10 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
-from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path
+from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
 from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, external_launcher
-from starter.topology import Layout, device_count
+from starter.topology import PIPELINE_SCHEDULES, Layout, device_count, pipeline_cut, stages_per_process
 from starter.traits import Traits, why_not
 
 log = logging.getLogger(__name__)
@@ -36,18 +36,19 @@ def prepare(cfg: DictConfig) -> Layout:
     layout = Layout.of(cfg)
     _check_capabilities(cfg, traits, layout)
     _check_tensor_parallel_net(cfg, layout)
-    if traits.pipeline:
+    if traits.pipeline or layout.pipeline_parallel > 1:
         _check_pipeline(cfg, layout)
     _check_fixed_input_size(cfg)
     _check_logger_packages(cfg)
     layout.batch_per_process(int(cfg.data.batch_size))
     if traits.multi_process and not external_launcher(layout.world):
         check_rendezvous(layout.nodes)
-    _redirect_fp16_on_cpu(cfg)
     if cfg.ckpt_path is not None:
         path = resolve_ckpt_path(cfg)
         if path is not None:
             check_sharded_writer(path, cfg.strategy.name)
+            if cfg.train and path.is_dir():
+                _check_pipeline_cut(cfg, layout, path)
         cfg.ckpt_path = None if path is None else str(path)
     return layout
 
@@ -120,13 +121,12 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
     if cfg.get("compile") and (reason := why_not(traits.compiles)) is not None:
         raise UserError(f"compile=true with strategy={name}: {reason or 'not supported'}; use strategy=ddp"
                         " (or strategy=auto on one device)")  # fmt: skip
-    if cfg.precision == "16-mixed" and not runs_on_cpu(cfg) and (reason := why_not(traits.scales_fp16)) is not None:
+    if cfg.precision == "16-mixed" and (reason := why_not(traits.scales_fp16)) is not None:
         raise UserError(f"strategy={name} cannot scale fp16 losses (16-mixed): {reason or 'not supported'};"
                         " use precision=bf16-mixed")  # fmt: skip
-    clip_refused = why_not(traits.clips_gradients)
-    if cfg.trainer.get("gradient_clip_val") and (clip_refused is not None or layout.tensor_parallel > 1):
-        raise UserError(f"trainer.gradient_clip_val with strategy={name}: the gradient norm would be one shard's or"
-                        " one stage's, not the model's; leave gradient clipping off")  # fmt: skip
+    if cfg.trainer.get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
+        raise UserError(f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave"
+                        " gradient clipping off")  # fmt: skip
     if cfg.model.get("ema_decay") is not None and not traits.whole_weights:
         raise UserError(f"model.ema_decay (weight averaging) needs whole weights in each process; strategy="
                         f"{name} shards them. Use strategy=ddp, or model.ema_decay=null")  # fmt: skip
@@ -157,14 +157,53 @@ def _check_tensor_parallel_net(cfg: DictConfig, layout: Layout) -> None:
 
 
 def _check_pipeline(cfg: DictConfig, layout: Layout) -> None:
-    """A pipeline runs each batch as micro-batches through its stages."""
-    batch, micro, stages = int(cfg.data.batch_size), int(cfg.strategy.microbatches), layout.pipeline_parallel
+    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them."""
+    strategy, stages = cfg.strategy, layout.pipeline_parallel
+    if cfg.get("compile"):
+        raise UserError("compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
+                        " fsdp without strategy.pipeline_parallel_size")  # fmt: skip
+    schedule, micro = str(strategy.schedule), int(strategy.microbatches)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"strategy.schedule={schedule}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    per_process = stages_per_process(schedule, strategy.get("stages_per_rank"))
+    if (schedule == "interleaved_1f1b") != (per_process > 1):
+        fix = (
+            "strategy.stages_per_rank=2 (or more)"
+            if schedule == "interleaved_1f1b"
+            else "strategy.schedule=interleaved_1f1b"
+        )
+        raise UserError(f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
+                        f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
+    batch = layout.batch_per_process(int(cfg.data.batch_size))
     if batch % micro:
-        raise UserError(f"data.batch_size={batch} does not split into strategy.microbatches={micro}; every process"
-                        f" of a pipeline runs the whole batch: use a multiple of {micro}")  # fmt: skip
-    if cfg.strategy.schedule == "interleaved_1f1b" and micro >= stages and micro % (micro // stages):
+        raise UserError(
+            f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step, which"
+            f" strategy.microbatches={micro} does not divide; give each pipeline a multiple of {micro}"
+        )
+    if schedule == "1f1b" and micro < stages:
+        raise UserError(f"strategy.microbatches={micro} is fewer than the {stages} stages of the pipeline, which 1f1b"
+                        f" needs at least; use strategy.microbatches={stages} or more")  # fmt: skip
+    if schedule == "interleaved_1f1b" and micro % max(1, micro // stages):
         raise UserError(f"strategy.microbatches={micro}: interleaved_1f1b on {stages} processes needs a multiple"
                         f" of {stages}")  # fmt: skip
+
+
+def _check_pipeline_cut(cfg: DictConfig, layout: Layout, path: Path) -> None:
+    """A pipeline's sharded checkpoint holds each stage's optimizer state: training continues with the same cut."""
+    saved = saved_config(path)
+    if saved is None:
+        return
+    was, asked = pipeline_cut(saved.strategy, Layout.of(saved)), pipeline_cut(cfg.strategy, layout)
+    if was != asked:
+        raise UserError(f"ckpt_path={path} was saved by {_describe_cut(was)}; this run asks for {_describe_cut(asked)}:"
+                        " resume it with the strategy.pipeline_parallel_size and strategy.stages_per_rank it was"
+                        " saved with (evaluating it works: train=false)")  # fmt: skip
+
+
+def _describe_cut(cut: tuple[int, int] | None) -> str:
+    if cut is None:
+        return "a net not cut into a pipeline"
+    return f"a pipeline of {cut[0]} processes x {cut[1]} stages each"
 
 
 def _check_fixed_input_size(cfg: DictConfig) -> None:
@@ -187,11 +226,3 @@ def _check_logger_packages(cfg: DictConfig) -> None:
         if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
             raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
                             f" (or pip install {name})")  # fmt: skip
-
-
-def _redirect_fp16_on_cpu(cfg: DictConfig) -> None:
-    # Lightning would make the same switch with a multi-line warning; say it once, up front, and record it.
-    if cfg.precision != "16-mixed" or not runs_on_cpu(cfg):
-        return
-    log.warning("precision=16-mixed: CPUs have no fp16 autocast; running bf16-mixed (say precision=bf16-mixed)")
-    cfg.precision = "bf16-mixed"

@@ -20,6 +20,7 @@ from starter.launch.environment import external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import write_run_outputs
 from starter.strategies.build import build_strategy
+from starter.strategies.precision import precision_plugin
 from starter.topology import Layout
 from starter.traits import Traits
 
@@ -35,18 +36,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
     _silence_known_noise()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    layout = Layout.of(cfg)
+    layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
     datamodule = build(cfg.data)
     model = build(cfg.model)
     if cfg.get("channels_last"):
-        use_channels_last(model, weights=Traits.of(cfg.strategy).channels_last_weights)
+        use_channels_last(model, weights=traits.channels_last_weights)
     callbacks = [build(c) for c in cfg.callbacks.values()]
+    device = "cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu"  # settled by preflight.prepare
     trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy, layout),
         callbacks=[c for c in callbacks if c is not None],  # a callback config may build to nothing: off
         logger=[build(lg) for lg in cfg.logger.values()] or False,
-        plugins=[build(p) for p in cfg.trainer.get("plugins") or []] + cluster_environment(layout),
+        plugins=[build(p) for p in cfg.trainer.get("plugins") or []]
+        + [precision_plugin(str(cfg.precision), device, traits.whole_weights)]
+        + cluster_environment(layout),
     )
     log_config(trainer, cfg)
     if cfg.ckpt_path:

@@ -47,7 +47,27 @@ class Layout:
             sizes = f"strategy.tensor_parallel_size={tp}"
             sizes += f" x strategy.pipeline_parallel_size={pp}" if pp > 1 else ""
             raise UserError(f"{sizes} does not divide the {layout.world} processes (devices x num_nodes)")
+        if per_node % tp:  # tensor parallel is innermost: groups of consecutive processes, within a node if it divides
+            raise UserError(f"strategy.tensor_parallel_size={tp} would span nodes ({per_node} processes per node):"
+                            " tensor parallel all-reduces every layer's output and needs a node's links; use a size"
+                            f" that divides devices={per_node} (strategy=fsdp strategy.tensor_parallel_size={per_node}:"
+                            " tensor parallel in each node, fsdp across)")  # fmt: skip
         return cls(layout.nodes, per_node, tp, pp)
+
+
+PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def stages_per_process(schedule: str, given: int | None) -> int:
+    """The pipeline stages each process runs: as given, else 2 for the interleaved schedule and 1 for the others."""
+    return int(given or (2 if schedule == "interleaved_1f1b" else 1))
+
+
+def pipeline_cut(strategy_cfg: DictConfig, layout: Layout) -> tuple[int, int] | None:
+    """(stages of a pipeline, stages per process) where the strategy runs the net as a pipeline; else None."""
+    if not (Traits.of(strategy_cfg).pipeline or layout.pipeline_parallel > 1):
+        return None
+    return layout.pipeline_parallel, stages_per_process(str(strategy_cfg.schedule), strategy_cfg.get("stages_per_rank"))
 
 
 def _size(strategy_cfg: DictConfig, key: str, world: int) -> int:

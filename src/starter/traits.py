@@ -19,7 +19,7 @@ class Traits:
     one_process: str | None = None  # what a run of one process trains with instead (ddp: auto, nothing to reduce)
     devices_per_process: str = "one"  # or "all": one process drives every device it is given (dp; needs CUDA)
     pipeline: bool = False  # cuts the net (an nn.Sequential) into stages run by a schedule over micro-batches
-    scales_fp16: Support = True  # precision=16-mixed on GPUs: a loss scaler that works with its gradients
+    scales_fp16: Support = True  # precision=16-mixed: a loss scaler that works with its gradients
     clips_gradients: Support = True  # trainer.gradient_clip_val: clipped by the norm of the whole model's gradient
     compiles: Support = True  # compile=true
     whole_weights: bool = True  # every process holds every weight (what weight averaging needs)

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 
 def save_full_weights(trainer, path: Path) -> None:
-    """Collective under fsdp, tp and pp (every rank sends its shards or stages to rank 0); state_dict() otherwise."""
-    gather = getattr(trainer.strategy, "full_state_dict", None)  # pipeline parallel: stages live on other ranks
+    """A collective where the strategy holds shards or stages (it gathers them on rank 0); state_dict() otherwise."""
+    gather = getattr(trainer.strategy, "full_state_dict", None)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = gather() if gather else get_model_state_dict(trainer.lightning_module, options=options)
     if trainer.is_global_zero:

@@ -38,14 +38,20 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     return path
 
 
-def sharding_strategy(checkpoint: Path) -> str:
-    """The strategy that wrote a sharded checkpoint directory: its run's config says."""
+def saved_config(checkpoint: Path) -> DictConfig | None:
+    """The config of the run that wrote `checkpoint` (<run>/checkpoints/<name>), where it is still beside it."""
     config = checkpoint.resolve().parent.parent / "config.yaml"
     if config.is_file():
         from omegaconf import OmegaConf
 
-        return str(OmegaConf.load(config).strategy.name)
-    return "fsdp"
+        return OmegaConf.load(config)
+    return None
+
+
+def sharding_strategy(checkpoint: Path) -> str:
+    """The strategy that wrote a sharded checkpoint directory: its run's config says."""
+    saved = saved_config(checkpoint)
+    return str(saved.strategy.name) if saved is not None else "fsdp"
 
 
 def check_sharded_writer(path: Path, strategy: str) -> None:

@@ -12,8 +12,11 @@ Images travel as uint8 (a quarter of float32's bytes through the loader's queues
 normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
 """
 
+from functools import partial
+
 import lightning as L
 import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
@@ -77,6 +80,10 @@ class ShardedDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory and self._feeds_cuda(),
             persistent_workers=self.persistent_workers,
         )
+        if self.num_workers:  # workers seeded by the data-parallel place, not the global rank (Lightning's choice):
+            # the processes of one tensor-parallel group or pipeline must draw the same augmentations
+            options |= dict(generator=torch.Generator().manual_seed(self.seed),
+                            worker_init_fn=partial(pl_worker_init_function, rank=rank))  # fmt: skip
         if split == "train":
             if self.ra_reps > 0:
                 sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)
@@ -115,7 +122,10 @@ class ShardedDataModule(L.LightningDataModule):
         if normalised:
             images = self.normalise(images)
         if self.mix is not None and self.trainer is not None and self.trainer.training:
-            images, labels = self.mix(images, labels)  # labels become soft targets, rows summing to 1
+            with torch.random.fork_rng(devices=[]):  # drawn alike by every process (a pipeline's first stage mixes
+                # the images, its last the labels), whatever else each has drawn from the global generator
+                torch.manual_seed(self.seed * 1_000_003 + self.trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+                images, labels = self.mix(images, labels)  # labels become soft targets, rows summing to 1
         if normalised and self.trainer is not None:  # the precision's input dtype (bf16-true), as for float input
             images = self.trainer.precision_plugin.convert_input(images)
         return images, labels

@@ -1,23 +1,27 @@
 """Fully sharded data parallel with FSDP2 (`torch.distributed.fsdp.fully_shard`), applied from outside the model.
 
-Each rank holds 1/N of every parameter, gradient and optimizer state; a sharding unit's parameters are
-all-gathered for its forward and backward and freed after (`reshard_after_forward`), gradients are
-reduce-scattered. Order of application, as in torchtitan: tensor parallel (2D), activation checkpointing,
-then sharding units (innermost first), then roots. Runs on CPU (gloo) and GPU (nccl). Checkpoints: see
-strategies/model_parallel.py.
+Each rank holds 1/N of every parameter, gradient and optimizer state of what it runs; a sharding unit's parameters
+are all-gathered for its forward and backward and freed after (`reshard_after_forward`), gradients are
+reduce-scattered. Order of application, as in torchtitan: tensor parallel (2D), activation checkpointing, then
+sharding units (innermost first), then roots. With `pipeline_parallel_size` the net is a pipeline first
+(strategies/pipeline.py) and each stage is parallelized so, over the data-parallel processes of its pipelines
+(3D). Runs on CPU (gloo) and GPU (nccl). Checkpoints: see strategies/model_parallel.py.
 """
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from starter.strategies.model_parallel import OutsideModelParallel
-from starter.strategies.tp import apply_tensor_parallel
+from starter.strategies.pipeline import Pipelined
+from starter.strategies.tp import apply_tensor_parallel, split_layers
 
 # Outermost modules of these classes become sharding units: the residual blocks of a ResNet, the transformer
 # blocks of a ViT, else each Linear/Conv2d layer. A unit is the granularity of all-gather and free: bigger units,
 # fewer collectives.
 DEFAULT_UNITS = ("BasicBlock", "Bottleneck", "Block", "Linear", "Conv2d")
+MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # what parameters are computed with
 
 
 def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Module]:
@@ -43,31 +47,30 @@ def apply_activation_checkpointing(units: list[nn.Module]) -> None:
         checkpoint(unit)
 
 
-def apply_fsdp(module: nn.Module, mesh, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool,
-               bf16_mixed: bool = False):  # fmt: skip
-    """Shard every unit, then each parameter-holding child of `module` as a root for what the units leave.
-    `bf16_mixed`: parameters are all-gathered and computed with in bf16 (half the bytes of each all-gather),
-    gradients reduce-scattered in fp32, and the optimizer steps the fp32 shards; BatchNorm stays in fp32."""
-    import torch
+def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool,
+               param_dtype=None):  # fmt: skip
+    """Shard every unit, then every root for what the units leave. `param_dtype` (mixed precision: bf16 or fp16):
+    parameters are all-gathered and computed with in it (half the bytes of each all-gather), gradients
+    reduce-scattered in fp32, and the optimizer steps the fp32 shards; BatchNorm stays in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-        mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16_mixed else MixedPrecisionPolicy(),
+        mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32) if param_dtype else MixedPrecisionPolicy(),
     )
-    if bf16_mixed:  # BatchNorm keeps fp32 weights and running statistics (as FSDP1's mixed precision does): a
-        # bf16 weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its input
-        # left in bf16 (batch norm takes bf16 input with fp32 weights)
+    if param_dtype:  # BatchNorm keeps fp32 weights and running statistics (as FSDP1's mixed precision does): a
+        # half-precision weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its
+        # input left as it comes (batch norm takes half-precision input with fp32 weights)
         norm = dict(kwargs, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False))
-        for batch_norm in [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
-            fully_shard(batch_norm, **norm)
+        for root in roots:
+            for batch_norm in [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+                fully_shard(batch_norm, **norm)
     for unit in units:
         fully_shard(unit, **kwargs)
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
+    for root in roots:
+        fully_shard(root, **kwargs)
 
 
 def move_state_but_parameters(module: nn.Module, device) -> None:
@@ -81,9 +84,10 @@ def move_state_but_parameters(module: nn.Module, device) -> None:
                 setattr(submodule, name, buffer.to(device))
 
 
-class FSDP2Strategy(OutsideModelParallel):
-    """FSDP2 over the data-parallel ranks; with `strategy.tensor_parallel_size` > 1, tensor parallel within groups of
-    that many ranks first (2D: the layout of large-model training; the data-parallel rank alone decides the batch)."""
+class FSDP2Strategy(Pipelined, OutsideModelParallel):
+    """FSDP2 over the data-parallel processes; with `strategy.tensor_parallel_size` > 1, tensor parallel within groups
+    of that many processes first (2D: the data-parallel rank alone decides the batch); with
+    `strategy.pipeline_parallel_size` > 1, both per stage of a pipeline (3D)."""
 
     strategy_name = "fsdp"
 
@@ -111,13 +115,22 @@ class FSDP2Strategy(OutsideModelParallel):
     def optimizer_state_on_device(self) -> bool:
         return not self.cpu_offload
 
-    def parallelize(self, module: nn.Module) -> None:
+    def parallelize_whole(self, module: nn.Module) -> None:
         # torchtitan's order: tensor parallel, then activation checkpointing, then FSDP.
         if self.layout.tensor_parallel > 1:
             apply_tensor_parallel(module, self.device_mesh["tensor_parallel"])
-        units = sharding_units(module, self.unit_names)
+        roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        self._shard(roots, sharding_units(module, self.unit_names))
+
+    def parallelize_stage(self, stage: nn.Module) -> None:
+        if self.layout.tensor_parallel > 1:
+            split_layers(stage, self.device_mesh["tensor_parallel"])
+        self._shard([stage], sharding_units(stage, self.unit_names))  # the stage is its own root: torch's pipeline
+        # reduce-scatters its gradients after the step's last micro-batch
+
+    def _shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
         if self.activation_checkpointing:
             apply_activation_checkpointing(units)
-        bf16_mixed = getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
-        mesh = self.device_mesh["data_parallel"]
-        apply_fsdp(module, mesh, units, self.reshard_after_forward, self.cpu_offload, bf16_mixed)
+        param_dtype = MIXED_DTYPES.get(getattr(self.precision_plugin, "precision", ""))
+        apply_fsdp(roots, self.device_mesh["data_parallel"], units, self.reshard_after_forward, self.cpu_offload,
+                   param_dtype)  # fmt: skip

@@ -64,6 +64,13 @@ class OutsideModelParallel(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self.optimizer_state_on_device:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def full_state_dict(self) -> dict:
+        """The whole model's weights, gathered on rank 0 (empty elsewhere): a collective, every process takes part."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix."""
         if not self._save_distributed_checkpoint:

@@ -35,11 +35,16 @@ def tensor_parallel_plan(net: nn.Module) -> dict:
 
 def apply_tensor_parallel(module: nn.Module, mesh) -> None:
     """Split the layers of every net inside `module` (the LightningModule) over the ranks of `mesh`."""
+    for child in module.children():
+        split_layers(child, mesh)
+
+
+def split_layers(net: nn.Module, mesh) -> None:
+    """Split the layers of `net` (a net, or a pipeline stage of one) that the plan recognises over `mesh`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    for child in module.children():
-        if plan := tensor_parallel_plan(child):
-            parallelize_module(child, mesh, plan)
+    if plan := tensor_parallel_plan(net):
+        parallelize_module(net, mesh, plan)
 
 
 class TensorParallelStrategy(OutsideModelParallel):

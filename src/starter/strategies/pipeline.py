@@ -1,0 +1,292 @@
+"""Pipeline parallel for the model-parallel strategies (torch.distributed.pipelining): the net cut into stages,
+micro-batches flowing through them, the LightningModule left as it is.
+
+The net must be an nn.Sequential (mlp, cnn, vit are): its layers are cut into `pipeline_parallel_size x
+stages_per_rank` contiguous stages of about equal parameter counts, each keeping at least one layer with
+parameters; stage s runs on the process of pipeline rank s mod P. As in torchtitan, every process keeps its copy of
+the module and drops the layers it does not own, so parameter names, checkpoints and model.pt stay the plain net's.
+
+The processes form a mesh (pipeline, data, tensor), tensor innermost, as torchtitan orders it: a pipeline is the P
+processes of one data- and tensor-parallel place. Each of the D pipelines trains on its share of the global batch;
+the strategy decides how their gradients meet (pp: one all-reduce per optimizer step; fsdp, 3D: reduce-scattered
+to shards as in every fsdp run, by the stage at its last micro-batch).
+
+Each training step splits this process's batch into `microbatches` and runs the schedule (`gpipe`: all forwards,
+then all backwards; `1f1b`: one forward, one backward in steady state; `interleaved_1f1b`: several stages per
+process, smaller bubbles), which also runs backward: the loss is the module's `criterion` per micro-batch, as its
+share of the optimizer step's mean loss (and times the fp16 loss scale). The module's training_step runs on the
+last stages with `forward` answering the pipeline's output (and, at logging steps, on rank 0 too, with the first
+pipeline's output broadcast: rank 0 writes the logs). Its validation and test steps run on every process, the last
+stages with the outputs and the others with an empty batch, so torchmetrics syncs exact totals. An evaluation batch
+smaller than the others is padded for the pipeline and the padding cut off before the metrics see it.
+"""
+
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from starter.errors import UserError
+from starter.logging_step import is_logging_step, steps_optimizer
+from starter.topology import PIPELINE_SCHEDULES, stages_per_process
+
+
+def pipelined_net(module: nn.Module) -> nn.Sequential:
+    """The nn.Sequential child of the LightningModule that holds its parameters (Classifier.net)."""
+    for child in module.children():
+        if isinstance(child, nn.Sequential) and next(child.parameters(), None) is not None:
+            return child
+    raise UserError(f"a pipeline cuts an nn.Sequential net into stages; {type(module).__name__} has none"
+                    " (nets that are: mlp, cnn, vit)")  # fmt: skip
+
+
+def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of `layers`, each holding parameters, the largest stage as small as it can
+    be. A stage starts at the first layer or at a layer with parameters: layers without (ReLU, Flatten) stay
+    with the layer before them."""
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    holders = [i for i, size in enumerate(sizes) if size]
+    if len(holders) < stages:
+        raise UserError(f"the pipeline needs {stages} stages and the net has {len(holders)} layers with parameters;"
+                        " use fewer stages (strategy.pipeline_parallel_size, strategy.stages_per_rank)")  # fmt: skip
+    starts = [0] + holders[1:]
+    total = [0]
+    for size in sizes:
+        total.append(total[-1] + size)
+
+    @cache
+    def best(i: int, left: int) -> tuple[int, tuple[int, ...]]:  # `left` stages from starts[i] to the end
+        if left == 1:
+            return total[-1] - total[starts[i]], (starts[i],)
+        options = []
+        for j in range(i + 1, len(starts) - left + 2):
+            largest, rest = best(j, left - 1)
+            options.append((max(total[starts[j]] - total[starts[i]], largest), (starts[i], *rest)))
+        return min(options)
+
+    chosen = best(0, stages)[1]
+    return list(zip(chosen, [*chosen[1:], len(layers)]))
+
+
+class Pipelined:
+    """Mixed into a model-parallel strategy (before OutsideModelParallel): the net runs as a pipeline when the
+    layout has a pipeline dimension, or always (`pipeline_always`, strategy=pp). Stages get the strategy's own
+    parallelism through `parallelize_stage`; the whole net, when not pipelined, through `parallelize_whole`."""
+
+    pipeline_always = False
+
+    def __init__(self, *args, schedule: str = "1f1b", microbatches: int = 4, stages_per_rank: int | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(*args, **kwargs)
+        if schedule not in PIPELINE_SCHEDULES:  # checked before launch (preflight): for a strategy built in code
+            raise UserError(f"strategy.schedule={schedule}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        self.schedule_name, self.microbatches = schedule, int(microbatches)
+        self.stages_per_rank = stages_per_process(schedule, stages_per_rank)
+        self.schedule = None
+        self.is_first = self.is_last = False
+        self.output_source = 0  # the global rank of the first pipeline's last stage (rank 0 logs its output)
+        self.output_tail: tuple[int, ...] | None = None  # an output's shape without the batch dimension
+        self.batch_rows = 0
+        self.gradients: list = []
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline_always or self.layout.pipeline_parallel > 1
+
+    def parallelize_whole(self, module: nn.Module) -> None:
+        """This strategy's parallelism for the whole net (when there is no pipeline)."""
+        raise NotImplementedError
+
+    def parallelize_stage(self, stage: nn.Module) -> None:
+        """This strategy's parallelism for one stage (an nn.Sequential of the net's layers)."""
+
+    def reduce_gradients(self) -> None:
+        """Once per optimizer step: make the data-parallel pipelines' gradients one (the strategy's way)."""
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.pipelined:  # Lightning's mesh has no pipeline dimension: (pipeline, data, tensor), tensor innermost
+            from torch.distributed.device_mesh import init_device_mesh
+
+            sizes = (self.layout.pipeline_parallel, self.layout.data_parallel, self.layout.tensor_parallel)
+            self._device_mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(
+                "pipeline_parallel", "data_parallel", "tensor_parallel"))  # fmt: skip
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def parallelize(self, module: nn.Module) -> None:
+        if not self.pipelined:
+            return self.parallelize_whole(module)
+        from torch.distributed import pipelining
+
+        net, mesh = pipelined_net(module), self.device_mesh["pipeline_parallel"]
+        size, rank = mesh.size(), mesh.get_local_rank()
+        count = size * self.stages_per_rank
+        bounds = balanced_stages(list(net), count)
+        mine = [s for s in range(count) if s % size == rank]
+        owned = {i for s in mine for i in range(*bounds[s])}
+        modules = [nn.Sequential(*(net[i] for i in range(*bounds[s]))) for s in mine]
+        for i in range(len(net)):
+            if i not in owned:
+                net[i] = nn.Identity()  # names of the owned layers are kept: net.<i>.<...>
+        for stage in modules:
+            self.parallelize_stage(stage)
+        group = mesh.get_group()
+        stages = [pipelining.PipelineStage(m, s, count, self.root_device, group=group) for m, s in zip(modules, mine)]
+        self.is_first, self.is_last = 0 in mine, count - 1 in mine
+        self.output_source = (count - 1) % size * (self.layout.world // size)  # pipeline 0: ranks 0, W/P, 2W/P...
+        if hasattr(self.precision_plugin, "pipeline_group"):  # clipping: the stages' norms add up over the pipeline
+            self.precision_plugin.pipeline_group = group
+        schedule = getattr(pipelining, PIPELINE_SCHEDULES[self.schedule_name])
+        self.schedule = schedule(stages if self.stages_per_rank > 1 else stages[0], n_microbatches=self.microbatches,
+                                 loss_fn=self._loss, scale_grads=False)  # fmt: skip
+
+    def _loss(self, output, target):
+        """A micro-batch's share of the optimizer step's loss (the schedule does not scale gradients), times the
+        fp16 loss scale where there is one: the backward starts here, not in Lightning's precision plugin."""
+        shares = self.microbatches * self.lightning_module.trainer.accumulate_grad_batches
+        loss = self.lightning_module.criterion(output, target) / shares
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _inputs(self, images):
+        return (images,) if self.is_first else ()
+
+    def training_step(self, batch, batch_idx, *args, **kwargs):
+        if not self.pipelined:
+            return super().training_step(batch, batch_idx, *args, **kwargs)
+        images, labels = batch
+        trainer = self.lightning_module.trainer
+        parameters = list(self.lightning_module.parameters())
+        if batch_idx % trainer.accumulate_grad_batches == 0:  # a new optimizer step: the schedule adds to .grad
+            for parameter in parameters:
+                parameter.grad = None
+        with self.precision_plugin.train_step_context():
+            output = self.schedule.step(*self._inputs(images), target=labels if self.is_last else None)
+            # Lightning zeroes gradients between training_step and backward (where a training_step only did the
+            # forward): the schedule's are set aside here and put back in `backward`.
+            self.gradients = [parameter.grad for parameter in parameters]
+            for parameter in parameters:
+                parameter.grad = None
+            if is_logging_step(trainer):  # rank 0 writes this step's logs: it needs the first pipeline's output
+                mine = self.global_rank == self.output_source
+                shared = self.broadcast(output.detach().cpu() if mine else None, src=self.output_source)
+                if self.is_global_zero and not self.is_last:
+                    return self._with_output(shared.to(self.root_device), "training_step", batch, batch_idx)
+            if self.is_last:
+                return self._with_output(output.detach().to(self.root_device), "training_step", batch, batch_idx)
+        return torch.zeros((), device=self.root_device)  # this stage has no loss; its backward is done
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if not self.pipelined:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.precision_plugin.pre_backward(closure_loss, module)  # the hooks around backward, as in every mode
+        for parameter, gradient in zip(module.parameters(), self.gradients):
+            parameter.grad = gradient  # the schedule ran backward, micro-batch by micro-batch
+        if steps_optimizer(module.trainer):
+            self.reduce_gradients()
+        self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def validation_step(self, batch, batch_idx, *args, **kwargs):
+        if not self.pipelined:
+            return super().validation_step(batch, batch_idx, *args, **kwargs)
+        return self._evaluate("validation_step", batch, batch_idx, *args, **kwargs)
+
+    def test_step(self, batch, batch_idx, *args, **kwargs):
+        if not self.pipelined:
+            return super().test_step(batch, batch_idx, *args, **kwargs)
+        return self._evaluate("test_step", batch, batch_idx, *args, **kwargs)
+
+    def _evaluate(self, hook: str, batch, *args, **kwargs):
+        images, labels = batch
+        rows = len(labels)
+        if not self.batch_rows:  # the batch the stages are shaped for: this pipeline's share of the global batch
+            global_batch = getattr(self.lightning_module.trainer.datamodule, "batch_size", None)
+            self.batch_rows = self.layout.batch_per_process(global_batch) if global_batch else rows
+        padded = [images, labels]
+        if rows < self.batch_rows:  # the last, smaller batch: padded for the stages, cut off again below
+            padded = [torch.cat([t, t[-1:].expand(self.batch_rows - rows, *t.shape[1:])]) for t in padded]
+        with torch.inference_mode(False), torch.no_grad(), self.precision_plugin.val_step_context():
+            # the schedule computes the loss of the last stage's micro-batches in eval too: it needs the targets
+            output = self.schedule.eval(*self._inputs(padded[0]), target=padded[1] if self.is_last else None)
+            if self.output_tail is None:  # once: a last stage tells the others the shape of an output
+                mine = self.global_rank == self.output_source
+                self.output_tail = self.broadcast(tuple(output.shape[1:]) if mine else None, self.output_source)
+            if not self.is_last:  # no outputs here: an empty batch, so the metrics still take part in the sync
+                output, rows = torch.empty(0, *self.output_tail, device=self.root_device), 0
+            return self._with_output(output[:rows], hook, (images[:rows], labels[:rows]), *args, **kwargs)
+
+    def _with_output(self, output: torch.Tensor, hook: str, *args, **kwargs):
+        """Run the LightningModule's `hook` with its forward answering `output` (the pipeline did the forward)."""
+        module = self.lightning_module
+        module.forward = lambda *_, **__: output  # an instance attribute shadows the class's forward
+        try:
+            return getattr(module, hook)(*args, **kwargs)
+        finally:
+            del module.forward
+
+    def optimizer_state(self, optimizer) -> dict:
+        state = super().optimizer_state(optimizer)
+        return self._per_stage(state) if self.pipelined else state
+
+    def _per_stage(self, state: dict) -> dict:
+        """An optimizer state whose parameter groups are saved per pipeline rank: torch.distributed.checkpoint keeps
+        one copy of what is not a tensor, as if every process had the same; a stage's groups name its parameters
+        (the data-parallel copies of a stage hold the same)."""
+        rank = self.device_mesh["pipeline_parallel"].get_local_rank()
+        return {"state": state["state"], f"param_groups_of_stage{rank}": state["param_groups"]}
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Each process reads its stages' weights and optimizer state (Lightning's own loader expects DTensor
+        parameters everywhere); returns the rest of the checkpoint. Weights are found by name, whatever the cut
+        that saved them; optimizer state only with the same cut (preflight checks it before launch)."""
+        if not self.pipelined:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from torch.distributed import checkpoint
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_file():  # one file of the whole model (another strategy's): each process takes its stages'
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                raise UserError(f"ckpt_path={path}: a pipeline resumes from its own sharded checkpoint (evaluating"
+                                " this one works: train=false)")  # fmt: skip
+            saved = torch.load(path, map_location="cpu", weights_only=weights_only)
+            weights = saved.pop("state_dict")
+            mine = {name: weights[name] for name in get_model_state_dict(self.model)}
+            set_model_state_dict(self.model, mine, options=StateDictOptions(full_state_dict=True))
+            return saved
+        weights = {"state_dict": get_model_state_dict(self.model)}
+        checkpoint.load(weights, checkpoint_id=path)
+        set_model_state_dict(self.model, weights["state_dict"])
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # testing: fit's optimizers linger
+        rank = self.device_mesh["pipeline_parallel"].get_local_rank()
+        for index, optimizer in enumerate(self.optimizers if fitting else []):
+            state = {f"optimizer_{index}": self._per_stage(get_optimizer_state_dict(self.model, optimizer))}
+            checkpoint.load(state, checkpoint_id=path)
+            mine = state[f"optimizer_{index}"]
+            mine = {"state": mine["state"], "param_groups": mine[f"param_groups_of_stage{rank}"]}
+            set_optimizer_state_dict(self.model, optimizer, mine, options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=weights_only)
+
+    def full_state_dict(self) -> dict:
+        """Every stage's full weights (shards gathered within each stage), gathered on rank 0 (empty elsewhere):
+        the plain net's state dict."""
+        if not self.pipelined:
+            return super().full_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        stage = get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True))
+        mine = {k: v.detach().cpu() for k, v in stage.items()}
+        parts = [None] * self.world_size if self.is_global_zero else None
+        dist.gather_object(mine, parts, dst=0)
+        return {k: v for part in parts for k, v in part.items()} if self.is_global_zero else {}
