@@ -77,7 +77,8 @@ def train_here(tmp_path: Path, overrides: list[str]) -> Finished:
     from hydra.core.global_hydra import GlobalHydra
 
     entry = _train_entry_point()
-    saved = (sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM), logging.getLogger().handlers[:])
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a run sets its handlers for these
+    saved = (sys.argv, os.getcwd(), [signal.getsignal(s) for s in stop_signals], logging.getLogger().handlers[:])
     out, err, code = io.StringIO(), io.StringIO(), 0
     run_name.cache_clear()  # a new run, a new name
     GlobalHydra.instance().clear()
@@ -89,9 +90,10 @@ def train_here(tmp_path: Path, overrides: list[str]) -> Finished:
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     finally:
-        sys.argv, cwd, handler, handlers = saved
+        sys.argv, cwd, signal_handlers, handlers = saved
         os.chdir(cwd)
-        signal.signal(signal.SIGTERM, handler)
+        for signum, handler in zip(stop_signals, signal_handlers):
+            signal.signal(signum, handler)
         root = logging.getLogger()
         for added in set(root.handlers) - set(handlers):  # Hydra's console and train.log handlers
             added.close()

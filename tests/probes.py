@@ -10,14 +10,14 @@ import lightning as L
 
 
 class SigtermAtStep(L.Callback):
-    """Sends SIGTERM to this process after training step `step`, as a scheduler's preemption would."""
+    """Sends SIGTERM (or `signal`) to this process after training step `step`, as a scheduler's preemption would."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, signal: str = "SIGTERM"):
+        self.step, self.signal = step, signal
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.Signals[self.signal])
 
 
 class RecordCompiledGraphs(L.Callback):

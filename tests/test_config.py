@@ -152,6 +152,7 @@ def test_help_lists_config_groups():
         (["devices=2"], "use strategy=ddp"),
         (["devices=0"], "must be at least 1"),
         (["precision=fp8"], "choose one of 32, 16-mixed, bf16-mixed, bf16-true"),
+        (["stop_signals=[SIGTERM,SIGSTOPP]"], "stop_signals: SIGSTOPP is no signal here; use names such as SIGTERM"),
         (["ckpt_path=/nonexistent/x.ckpt"], "no such file"),
         (["ckpt_path=last"], "no checkpoints/last.ckpt"),
     ],

@@ -79,7 +79,7 @@ def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, 
     assert abs(metrics["test/loss"] - single_eval["test/loss"]) <= 1e-6
 
 
-# 3 epochs of 8 batches = 24 steps; stopped by SIGTERM after step 11 (epoch 1, batch 3), then the same command
+# 3 epochs of 8 batches = 24 steps; stopped by a stop signal after step 11 (epoch 1, batch 3), then the same command
 # again in the same directory, as a requeued job runs it.
 RESUME = ["accelerator=cpu", "trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
           "test=false", "trainer.log_every_n_steps=1"]  # fmt: skip
@@ -96,16 +96,19 @@ def straight(tmp_path_factory):
     return {s: weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
 
 
-@pytest.mark.parametrize("strategy,workers", [("auto", 0), ("auto", 2), ("ddp", 0), ("ddp", 2)])
+@pytest.mark.parametrize(  # each stop signal: preemption, sbatch --signal, submitit's time-out
+    "strategy,workers,stop",
+    [("auto", 0, "SIGTERM"), ("auto", 2, "SIGUSR1"), ("ddp", 0, "SIGUSR2"), ("ddp", 2, "SIGTERM")],
+)
 def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(
-    strategy, workers, straight, tmp_path
+    strategy, workers, stop, straight, tmp_path
 ):
     # Loader workers fetch ahead of training; persistent ones (as image folders have them) also outlive an epoch.
     # (Persistent: fewer forks of a threaded process, each of which can hang a worker on a lock a thread held.)
     loader = [f"data.num_workers={workers}", *(["+data.persistent_workers=true"] if workers else [])]
     again = [*RESUME, *ranks(strategy), *loader, f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
     stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
-                    env=PROBES, expect_ok=False)  # fmt: skip
+                    f"+callbacks.stop.signal={stop}", env=PROBES, expect_ok=False)  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     train(tmp_path, *again)
     resumed = torch.load(tmp_path / "run" / "checkpoints" / "model.pt", weights_only=True)

@@ -101,7 +101,7 @@ def test_model_pt_of_a_model_parallel_run_loads_into_the_plain_net(jobs):
         model.load_state_dict(model_weights(run_dir))  # strict: every stage and shard, plain names
 
 
-@pytest.mark.parametrize("strategy", ["tp", "pp"])
+@pytest.mark.parametrize("strategy", ["tp"])  # pp: stopped mid-epoch and resumed below (pp x dp)
 def test_a_model_parallel_run_resumes_from_its_sharded_checkpoint(strategy, jobs, tmp_path):
     last = jobs[strategy] / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and (last / ".metadata").is_file()

@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> float | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         if needs_launch(cfg, layout):
-            launch_workers(config_path, layout)
+            launch_workers(config_path, layout, stop_signals=list(cfg.stop_signals))
             # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
             metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
         else:

@@ -27,6 +27,7 @@ def prepare(cfg: DictConfig) -> Layout:
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
+    _check_stop_signals(cfg)
     _settle_accelerator_and_devices(cfg)
     _settle_num_classes(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
@@ -186,6 +187,14 @@ def _check_pipeline(cfg: DictConfig, layout: Layout) -> None:
     if schedule == "interleaved_1f1b" and micro % max(1, micro // stages):
         raise UserError(f"strategy.microbatches={micro}: interleaved_1f1b on {stages} processes needs a multiple"
                         f" of {stages}")  # fmt: skip
+
+
+def _check_stop_signals(cfg: DictConfig) -> None:
+    import signal
+
+    if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
+        raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
+                        " SIGUSR1, SIGUSR2")  # fmt: skip
 
 
 def _check_pipeline_cut(cfg: DictConfig, layout: Layout, path: Path) -> None:

@@ -62,7 +62,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
                 trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         except SIGTERMException:
             if trainer.is_global_zero:
-                log.warning("stopped by SIGTERM at step %d; resume with ckpt_path=last", trainer.global_step)
+                log.warning("stopped by a stop signal at step %d after saving checkpoints/last.ckpt; resume with"
+                            " ckpt_path=last", trainer.global_step)  # fmt: skip
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt")

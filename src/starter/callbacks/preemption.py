@@ -1,7 +1,9 @@
-"""SIGTERM (a scheduler's preemption) ends training cleanly, on every rank at the same step, with last.ckpt saved.
+"""A stop signal ends training cleanly, on every rank at the same step, with last.ckpt saved: SIGTERM (a scheduler's
+preemption), SIGUSR1 (`sbatch --signal=SIGUSR1@90`: the time limit is near) and SIGUSR2 (submitit's time-out), the
+`stop_signals` of the config.
 
 The signal handler only records that a stop was asked. After a training step, all ranks agree through one
-collective (`reduce_boolean_decision`: did any rank get SIGTERM?); if so, checkpoints/last.ckpt is saved there
+collective (`reduce_boolean_decision`: did any rank get a stop signal?); if so, checkpoints/last.ckpt is saved there
 (the point where Lightning itself saves mid-epoch, so a resume continues with the next batch) and the run
 stops at the next hook by raising Lightning's SIGTERMException, after the step has been logged. run.py then
 exits with errors.PREEMPTED_EXIT_CODE (143). One process checks after every step (reading a flag costs
@@ -13,6 +15,7 @@ deadlock when the ranks are signalled at different points of a step.
 """
 
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -22,13 +25,15 @@ from starter.logging_step import is_logging_step
 
 
 class SaveOnSigterm(L.Callback):
-    def __init__(self, dirpath: str, filename: str = "last.ckpt"):
+    def __init__(self, dirpath: str, filename: str = "last.ckpt", signals: Sequence[str] = ("SIGTERM",)):
         self.path = Path(dirpath) / filename
+        self.signals = [signal.Signals[name] for name in signals]
         self.requested = self.saved = False
 
     def on_train_start(self, trainer, pl_module) -> None:  # after Lightning registered its handlers
         self.requested = self.saved = False
-        signal.signal(signal.SIGTERM, self._request_stop)
+        for signum in self.signals:
+            signal.signal(signum, self._request_stop)
 
     def _request_stop(self, signum, frame) -> None:
         self.requested = True

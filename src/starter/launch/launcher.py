@@ -54,7 +54,7 @@ def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
     return external_launcher(layout.world) is None
 
 
-def launch_workers(config_path: Path, layout: Layout, grace_s: float = 10.0) -> None:
+def launch_workers(config_path: Path, layout: Layout, stop_signals=("SIGTERM",), grace_s: float = 10.0) -> None:
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -74,14 +74,22 @@ def launch_workers(config_path: Path, layout: Layout, grace_s: float = 10.0) -> 
         procs = [subprocess.Popen(command, env=rank_env) for rank_env in ranks]
     else:
         procs, port_pipe = _start_with_held_port(command, ranks)
-    # A scheduler's SIGTERM (preemption) goes to every worker, which saves and exits; we then wait for them.
-    previous = signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+    # A stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits; we wait.
+    received = []
+
+    def forward(signum, frame) -> None:
+        received.append(signal.Signals(signum).name)
+        for p in procs:
+            p.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in map(signal.Signals.__getitem__, stop_signals)}
     try:
         if port_pipe is not None:
             _relay_port(port_pipe, procs[1:])
-        _wait(procs)
+        _wait(procs, received)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         _stop(procs, grace_s)
 
 
@@ -124,16 +132,22 @@ def join_rendezvous():
     return None
 
 
-def _wait(procs: list[subprocess.Popen]) -> None:
+def _wait(procs: list[subprocess.Popen], received: list[str]) -> None:
+    """Until every worker exits 0; else raises for the first that failed, with its code (128 + the signal's number
+    for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             rank, code = failed[0]
             message = f"worker of local rank {rank} exited with code {code}; the other workers were stopped"
+            if code < 0:
+                message = (f"worker of local rank {rank} was killed by {signal.Signals(-code).name}; the other workers"
+                           " were stopped")  # fmt: skip
             if code == PREEMPTED_EXIT_CODE:
-                message = "stopped by SIGTERM after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-            raise WorkerFailed(message, exit_code=code if code > 0 else 1)
+                name = received[0] if received else "a stop signal"
+                message = f"stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
+            raise WorkerFailed(message, exit_code=code if code > 0 else 128 - code)
         if all(code == 0 for code in codes):
             return
         time.sleep(0.2)
