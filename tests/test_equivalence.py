@@ -96,7 +96,7 @@ def straight(tmp_path_factory):
     return {s: weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
 
 
-@pytest.mark.parametrize(  # each stop signal: preemption, sbatch --signal, submitit's time-out
+@pytest.mark.parametrize(  # each stop signal: preemption, sbatch --signal, a time-out warning
     "strategy,workers,stop",
     [("auto", 0, "SIGTERM"), ("auto", 2, "SIGUSR1"), ("ddp", 0, "SIGUSR2"), ("ddp", 2, "SIGTERM")],
 )

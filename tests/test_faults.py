@@ -129,8 +129,8 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     proc = start(tmp_path, *LONG_DDP)
     last = wait_for_checkpoint(tmp_path, proc)
     before = torch.load(last, weights_only=True)["global_step"]
-    # The launcher forwards a scheduler's stop signal (here submitit's time-out) to every worker; a signal reaching
-    # only one rank must stop all of them at the same step too (they agree after each batch).
+    # The launcher forwards a scheduler's stop signal (here SIGUSR2, a time-out warning) to every worker; a signal
+    # reaching only one rank must stop all of them at the same step too (they agree after each batch).
     os.kill(proc.pid if target == "launcher" else worker_of_rank(proc, 1), signal.Signals[stop])
     proc.wait(timeout=60)
     assert proc.returncode == 143

@@ -1,5 +1,5 @@
 """A stop signal ends training cleanly, on every rank at the same step, with last.ckpt saved: SIGTERM (a scheduler's
-preemption), SIGUSR1 (`sbatch --signal=SIGUSR1@90`: the time limit is near) and SIGUSR2 (submitit's time-out), the
+preemption), SIGUSR1 (`sbatch --signal=SIGUSR1@90`: the time limit is near) and SIGUSR2 (a time-out warning), the
 `stop_signals` of the config.
 
 The signal handler only records that a stop was asked. After a training step, all ranks agree through one
