@@ -36,6 +36,21 @@ def on_cpu(overrides) -> list[str]:
     return overrides if any(o.startswith("accelerator=") for o in overrides) else ["accelerator=cpu", *overrides]
 
 
+# The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32: what the model-parallel,
+# clipping and fp16 tests compare with one process. SGD: Adam would turn rounding noise into full-size steps for
+# parameters whose gradient is zero up to rounding (an attention key bias: softmax ignores it), which says nothing
+# about the parallel maths. The last item is trainer.max_epochs (tests resuming for more epochs replace it).
+SMALL_VIT_20_STEPS = [
+    "model=vit",
+    "model.optimizer._target_=torch.optim.SGD",
+    "model.optimizer.lr=0.05",
+    "~model.optimizer.weight_decay",
+    "accelerator=cpu",
+    "debug=limit",
+    "trainer.max_epochs=4",
+]
+
+
 def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):
     """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process.
 

@@ -11,20 +11,10 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, max_difference, model_weights, run_dirs, sweep_jobs, train
+from conftest import ROOT, SMALL_VIT_20_STEPS, max_difference, model_weights, run_dirs, sweep_jobs, train
 
 pytestmark = pytest.mark.slow
-# The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64 (as tests/test_model_parallel.py).
-VIT = [
-    "model=vit",
-    "model.optimizer._target_=torch.optim.SGD",
-    "model.optimizer.lr=0.05",
-    "~model.optimizer.weight_decay",
-    "accelerator=cpu",
-    "debug=limit",
-    "trainer.max_epochs=4",
-    "test=false",
-]
+VIT = [*SMALL_VIT_20_STEPS, "test=false"]
 PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 CLIP = 0.05
 SAME = 1e-5

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import (
     ROOT,
+    SMALL_VIT_20_STEPS,
     compose_config,
     max_difference,
     model_weights,
@@ -24,19 +25,7 @@ from starter.errors import UserError
 from starter.preflight import prepare
 
 pytestmark = pytest.mark.slow
-# The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32.
-# SGD: Adam would turn rounding noise into full-size steps for parameters whose gradient is zero up to rounding
-# (an attention key bias: softmax ignores it), which says nothing about the parallel maths.
-VIT = [
-    "model=vit",
-    "model.optimizer._target_=torch.optim.SGD",
-    "model.optimizer.lr=0.05",
-    "~model.optimizer.weight_decay",
-    "accelerator=cpu",
-    "debug=limit",
-    "trainer.max_epochs=4",
-    "trainer.log_every_n_steps=1",
-]
+VIT = [*SMALL_VIT_20_STEPS, "trainer.log_every_n_steps=1"]
 # Each optimizer step accumulates two half batches (10 batches of 32 an epoch): the same 20 steps of the same
 # global batches as the reference. (A pipeline that dropped the accumulation factor from its loss would step twice
 # as far.) Evaluation sees the same 128 samples in 4 batches of 32.
