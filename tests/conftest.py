@@ -6,8 +6,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from functools import cache
@@ -30,10 +32,51 @@ CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
+    """The variables SLURM gives task `rank` of an `srun` step with `tasks` tasks on one node."""
+    return {"SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks), "SLURM_NNODES": "1",
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
+
+
+def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2) -> Path:
+    """Wait until last.ckpt holds `epochs` finished epochs (so training is well under way)."""
+    import torch
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))
+        if found and torch.load(found[0], weights_only=True)["epoch"] >= epochs - 1:
+            return found[0]
+        time.sleep(0.3)
+    raise AssertionError(f"no checkpoint appeared; exit code {proc.poll()}")
+
+
+def worker_of_rank(launcher: subprocess.Popen, local_rank: int) -> int:
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError("worker not found")
+
+
 def on_cpu(overrides) -> list[str]:
     """CPU-meant runs stay on the CPU on a GPU host too; a test that names an accelerator gets it."""
     overrides = list(overrides)
     return overrides if any(o.startswith("accelerator=") for o in overrides) else ["accelerator=cpu", *overrides]
+
+
+# The strategies that tests/test_clipping_and_fp16.py runs on 2 processes through train.py, clipped at 32 and with an
+# fp16 overflow at 16-mixed, comparing weights with one process: test_matrix.py does not run these pairs again.
+CLIPPED_ON_TWO = ["ddp", "ddp_spawn", "fsdp", "tp", "pp"]
+OVERFLOW_ON_TWO = ["fsdp", "tp", "pp"]
 
 
 # The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32: what the model-parallel,

@@ -11,7 +11,17 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_VIT_20_STEPS, max_difference, model_weights, run_dirs, sweep_jobs, train
+from conftest import (
+    CLIPPED_ON_TWO,
+    OVERFLOW_ON_TWO,
+    ROOT,
+    SMALL_VIT_20_STEPS,
+    max_difference,
+    model_weights,
+    run_dirs,
+    sweep_jobs,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 VIT = [*SMALL_VIT_20_STEPS, "test=false"]
@@ -36,8 +46,9 @@ def clipped(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clipped_on_two(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("clipped2")
-    train(tmp_path, "-m", "strategy=ddp,ddp_spawn,fsdp,tp,pp", "devices=2", *VIT, f"trainer.gradient_clip_val={CLIP}")
-    return dict(zip(["ddp", "ddp_spawn", "fsdp", "tp", "pp"], sweep_jobs(tmp_path)))
+    strategies = ",".join(CLIPPED_ON_TWO)
+    train(tmp_path, "-m", f"strategy={strategies}", "devices=2", *VIT, f"trainer.gradient_clip_val={CLIP}")
+    return dict(zip(CLIPPED_ON_TWO, sweep_jobs(tmp_path)))
 
 
 def test_the_clip_value_clips_every_step(clipped):
@@ -45,7 +56,7 @@ def test_the_clip_value_clips_every_step(clipped):
     assert len(norms) == 20 and min(norms) > 2 * CLIP
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "fsdp", "tp", "pp"])
+@pytest.mark.parametrize("strategy", CLIPPED_ON_TWO)
 def test_two_processes_clip_by_the_norm_of_the_whole_model(strategy, clipped, clipped_on_two):
     assert max_difference(clipped[0], model_weights(clipped_on_two[strategy])) <= SAME
 
@@ -103,14 +114,14 @@ def test_fp16_runs_for_real_on_cpu_and_skipping_a_step_is_far_beyond_the_fp16_to
 @pytest.fixture(scope="module")
 def overflow_on_rank_1(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("overflow2")
-    train(tmp_path, "-m", "strategy=fsdp,tp,pp", "devices=2", *FP16, *OVERFLOW, env=PROBES)
-    runs = dict(zip(["fsdp", "tp", "pp"], sweep_jobs(tmp_path)))
+    train(tmp_path, "-m", f"strategy={','.join(OVERFLOW_ON_TWO)}", "devices=2", *FP16, *OVERFLOW, env=PROBES)
+    runs = dict(zip(OVERFLOW_ON_TWO, sweep_jobs(tmp_path)))
     tmp_path = tmp_path_factory.mktemp("overflow2d")
     train(tmp_path, "strategy=fsdp", "strategy.tensor_parallel_size=2", "devices=4", *FP16, *OVERFLOW, env=PROBES)
     return runs | {"2D": run_dirs(tmp_path)[0]}
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "tp", "pp", "2D"])
+@pytest.mark.parametrize("mode", [*OVERFLOW_ON_TWO, "2D"])
 def test_an_overflow_on_one_rank_skips_the_step_and_backs_off_the_scale_on_every_rank(
     mode, overflow_on_rank_1, single_fp16, tolerance
 ):

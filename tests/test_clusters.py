@@ -3,30 +3,16 @@ machine that reports CUDA GPUs (a faked count for the decisions taken before lau
 
 import json
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import QUIET, ROOT, compose_config, read_metrics, run_dirs, train
+from conftest import QUIET, ROOT, compose_config, free_port, read_metrics, run_dirs, slurm_env, train
 from starter.errors import UserError
 from starter.preflight import prepare
 
 SHORT = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=1", "test=false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
-    """The variables SLURM gives task `rank` of an `srun` step with `tasks` tasks on one node."""
-    return {"SLURM_NTASKS": str(tasks), "SLURM_NTASKS_PER_NODE": str(tasks), "SLURM_NNODES": "1",
-            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
-            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
 
 
 @pytest.mark.slow

@@ -40,12 +40,13 @@ def test_two_processes_match_one_process_in_one_run_directory(strategy, default_
 
 
 def test_worker_error_stops_all_workers_with_one_message(tmp_path):
-    # Rank 0 fails in prepare_data while rank 1 waits for it at a barrier: the launcher must stop rank 1.
+    # Rank 0 fails in prepare_data while rank 1 waits for it at a barrier: rank 1 must leave too, and only the
+    # rank that met the error says it.
     proc = train(tmp_path, "strategy=ddp", "devices=2", "accelerator=cpu", "data=mnist", "data.download=false",
                  f"paths.data_dir={tmp_path / 'none'}", expect_ok=False, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: MNIST not found in {tmp_path / 'none'}")
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank 0 (node 0): MNIST not found in {tmp_path / 'none'}")
 
 
 class CountSamples(L.LightningModule):

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, on_cpu, plant, read_metrics, run_dirs, train
+from conftest import (
+    QUIET,
+    ROOT,
+    free_port,
+    on_cpu,
+    plant,
+    read_metrics,
+    run_dirs,
+    slurm_env,
+    train,
+    wait_for_checkpoint,
+    worker_of_rank,
+)
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
 
 pytestmark = pytest.mark.slow
@@ -60,38 +73,22 @@ def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2) -> Path:
-    """Wait until last.ckpt holds `epochs` finished epochs (so training is well under way)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt"))
-        if found and torch.load(found[0], weights_only=True)["epoch"] >= epochs - 1:
-            return found[0]
-        time.sleep(0.3)
-    raise AssertionError(f"no checkpoint appeared; exit code {proc.poll()}")
-
-
-def worker_of_rank(launcher: subprocess.Popen, local_rank: int) -> int:
-    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    for pid in children:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"LOCAL_RANK={local_rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError("worker not found")
-
-
 LONG_DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000"]
 
 
 def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_checkpoint(tmp_path):
     proc = start(tmp_path, *LONG_DDP)
     last = wait_for_checkpoint(tmp_path, proc)
+    # Rank 0 stopped first cannot leave by itself (on gloo a live peer would error out of its collective): the
+    # launcher must stop it. (Its watchdog is stopped too: the default heartbeat_timeout_s is 120 s.)
+    os.kill(worker_of_rank(proc, 0), signal.SIGSTOP)
     os.kill(worker_of_rank(proc, 1), signal.SIGKILL)
     killed_at = time.monotonic()
     proc.wait(timeout=60)
     seconds = time.monotonic() - killed_at
     assert proc.returncode == 137 and seconds < 60, (proc.returncode, seconds)  # 128 + SIGKILL, as a shell says
-    assert "error: worker of local rank 1 was killed by SIGKILL; the other workers were stopped" in proc.stderr.read()
+    lines = [line for line in proc.stderr.read().splitlines() if line.startswith("error:")]
+    assert lines == ["error: rank 1 (node 0) was killed by SIGKILL; every process of the run stops"]
     epoch = torch.load(last, weights_only=True)["epoch"]  # whole, loadable
     train(tmp_path, *LONG_DDP[:3], "ckpt_path=last", f"trainer.max_epochs={epoch + 2}")
     resumed = [d for d in run_dirs(tmp_path) if d != last.parents[1]]
@@ -138,7 +135,9 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     said = "SIGUSR2" if target == "launcher" else "a stop signal"  # the launcher knows the signal it forwarded
     assert f"stopped by {said} after saving checkpoints/last.ckpt; resume with ckpt_path=last" in err
     assert "Traceback" not in err
-    assert torch.load(last, weights_only=True)["global_step"] > before  # saved at the stop, mid-epoch
+    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", err)  # rank 0's line
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
 
 
 def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):
@@ -160,8 +159,9 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
                  env={"PYTHONPATH": str(ROOT / "tests")}, expect_ok=False)  # fmt: skip
     assert proc.returncode == 2
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert line == ("error: the training loss is nan at step 13 (epoch 0, batch 13); lower model.optimizer.lr,"
-                    " or check the data for NaN/inf")  # fmt: skip
+    rank = "rank 0 (node 0): " if strategy == "ddp" else ""  # several processes: the line names the one that met it
+    assert line == (f"error: {rank}the training loss is nan at step 13 (epoch 0, batch 13); lower"
+                    " model.optimizer.lr, or check the data for NaN/inf")  # fmt: skip
     assert not list(tmp_path.glob("logs/**/*.ckpt")) and not list(tmp_path.glob("logs/**/model.pt"))
 
 
@@ -226,3 +226,64 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
     with open(run_dir / "metrics.csv", newline="") as f:  # the first attempt's rows are kept, then the second's
         rows = [(int(r["epoch"]), int(r["step"])) for r in csv.DictReader(f) if r["train/loss"]]
     assert rows == [(epoch, step) for step in range(10) for epoch in [step // 5]]
+
+
+def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None) -> subprocess.Popen:
+    """`train.py` as node `node` of two, one process each, on localhost; `cwd` stands for the node's own disk."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]  # fmt: skip
+    return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int], list[float], list[str]]:
+    """Each process's exit code, when it exited (monotonic), and the `error:` lines of all of them."""
+    deadline, ended = time.monotonic() + timeout, {}
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        ended |= {i: time.monotonic() for i, p in enumerate(procs) if i not in ended and p.poll() is not None}
+        time.sleep(0.1)
+    assert len(ended) == len(procs), f"still running after {timeout} s: {[p.args[-1] for p in procs]}"
+    lines = [line for p in procs for line in p.stderr.read().splitlines() if line.startswith("error:")]
+    return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
+
+
+def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
+    # The data exists on node 0's disk (its working directory holds data/), not on node 1's.
+    (tmp_path / "node1").mkdir()
+    data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20"]
+    port = free_port()
+    nodes = [start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)]
+    codes, ended, lines = exits(nodes)
+    assert codes == [2, 2] and max(ended) - min(ended) < 60, (codes, ended)
+    (line,) = lines  # once, by the rank that met it, though node 0's rank waited for it in a collective
+    assert line.startswith("error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false")
+
+
+@pytest.mark.parametrize("launched_by", ["our launcher on two nodes", "srun"])
+def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, tmp_path):
+    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it.
+    port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
+    if launched_by == "srun":
+        command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
+                   f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long]  # fmt: skip
+        procs = [subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True) for rank in (0, 1)]  # fmt: skip
+        wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+        stopped = procs[1].pid  # the task itself: srun has no launcher of ours
+    else:
+        procs = [start_node(tmp_path, n, port, *long) for n in (0, 1)]
+        wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+        stopped = worker_of_rank(procs[1], 0)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    watched = procs[:1] if launched_by == "srun" else procs  # a stopped srun task waits for SLURM to end the step
+    codes, ended, lines = exits(watched, timeout=60)
+    if launched_by == "srun":
+        procs[1].kill()
+    # within heartbeat_timeout_s + a heartbeat or two + the launcher's 10 s grace for a stopped worker
+    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 20, (codes, max(ended) - stopped_at)
+    node = 0 if launched_by == "srun" else 1
+    assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
+                     " every process of the run stops"]  # fmt: skip

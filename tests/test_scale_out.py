@@ -1,5 +1,7 @@
-"""Multirun sweeps with multi-process jobs, torchrun, and two torchrun "nodes" on one machine."""
+"""Multirun sweeps with multi-process jobs, torchrun and its restarts, and two torchrun "nodes" on one machine."""
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -7,7 +9,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import QUIET, ROOT, read_metrics, run_dirs, sweep_jobs, train
+from conftest import QUIET, ROOT, read_metrics, run_dirs, sweep_jobs, train, wait_for_checkpoint, worker_of_rank
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -32,13 +34,26 @@ def test_multirun_runs_fsdp_and_ddp_spawn_jobs(tmp_path):
     assert all((j / "metrics.json").is_file() for j in jobs)
 
 
-def test_torchrun_trains_with_one_run_directory(tmp_path):
-    command = [*TORCHRUN, "--nproc_per_node=2", str(ROOT / "train.py"), "strategy=ddp", "accelerator=cpu",
-               f"paths.log_dir={tmp_path / 'logs'}", "debug=limit", *QUIET]  # fmt: skip
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = run_dirs(tmp_path)  # both ranks composed the config; they agreed on rank 0's directory
+def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_weights(tmp_path):
+    import torch
+
+    job = ["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=3", "test=false"]  # killed in epoch 1 or 2
+    command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *job, "ckpt_path=auto",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path, proc, epochs=1)
+    os.kill(worker_of_rank(proc, 1), signal.SIGKILL)  # torchrun stops rank 0 and starts both again
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    (run_dir,) = run_dirs(tmp_path)  # both ranks composed the config, agreed on rank 0's directory, and the
+    # restart wrote into the first attempt's directory and resumed it
     assert "devices: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
+    assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in out + err
+    reference = train(tmp_path / "reference", *job, "devices=2")  # the same job, uninterrupted (our launcher)
+    (reference_dir,) = run_dirs(tmp_path / "reference")
+    restarted, whole = (torch.load(d / "checkpoints" / "model.pt", weights_only=True) for d in (run_dir, reference_dir))
+    assert reference.returncode == 0 and restarted.keys() == whole.keys()
+    assert max((restarted[k].float() - whole[k].float()).abs().max().item() for k in whole) <= 1e-6
 
 
 def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):

@@ -9,7 +9,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from starter.errors import UserError, one_line
+from starter.launch.environment import external_launcher
 from starter.launch.launcher import WorkerFailed, launch_workers, needs_launch
+from starter.launch.run_name import shared_store
+from starter.launch.watchdog import linger_s, report, watch_external_ranks
 from starter.preflight import prepare
 
 log = logging.getLogger(__name__)
@@ -23,19 +26,27 @@ def main(cfg: DictConfig) -> float | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         if needs_launch(cfg, layout):
-            launch_workers(config_path, layout, stop_signals=list(cfg.stop_signals))
+            launch_workers(config_path, layout, stop_signals=list(cfg.stop_signals),
+                           linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
             # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
             metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
+        elif launcher := external_launcher(layout.world):  # srun's tasks, torchrun's workers: each a rank
+            from starter.run import run
+
+            watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s)
+            with watchdog.reporting():
+                metrics = run(OmegaConf.load(config_path))
         else:
             from starter.run import run
 
             metrics = run(OmegaConf.load(config_path))
     except UserError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        where = f"node {_node_rank()}: " if int(cfg.num_nodes) > 1 else ""
+        report(shared_store(), 2, f"{where}{one_line(err)}")  # several nodes: the other nodes stop too
         raise SystemExit(2) from None
     except WorkerFailed as err:
-        if err.exit_code != 2:  # 2: a worker's user error, already reported in one line
-            print(f"error: {err}", file=sys.stderr)
+        if err.message:  # else the failing process has said why
+            print(f"error: {err.message}", file=sys.stderr)
         raise SystemExit(err.exit_code) from None
     return metrics.get(cfg.optimized_metric)
 

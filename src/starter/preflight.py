@@ -28,6 +28,8 @@ def prepare(cfg: DictConfig) -> Layout:
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     _check_stop_signals(cfg)
+    if not float(cfg.heartbeat_timeout_s) > 0:
+        raise UserError(f"heartbeat_timeout_s={cfg.heartbeat_timeout_s}: give seconds above 0 (default 120)")
     _settle_accelerator_and_devices(cfg)
     _settle_num_classes(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.errors import UserError, one_line
 from starter.launch.launcher import join_rendezvous
+from starter.launch.watchdog import Watchdog
 
 
 def main(config_path: str) -> int:
@@ -27,13 +27,14 @@ def main(config_path: str) -> int:
     )
     from starter.run import run  # torch and lightning: imported by all ranks at once, before they wait
 
-    store = join_rendezvous()  # noqa: F841 (rank 0 serves the store for as long as it runs)
-    try:
+    store = join_rendezvous()  # rank 0 serves the store for as long as it runs (one node)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    holder = "rank 0 (node 0)" if int(cfg.num_nodes) == 1 else "node 0's train.py"
+    address, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    watchdog = Watchdog(address, port, rank, world, per_node, cfg.heartbeat_timeout_s, store_holder=holder,
+                        serves_store=store is not None)  # fmt: skip
+    with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code
         run(cfg)
-    except UserError as err:
-        if rank == 0:
-            print(f"error: {one_line(err)}", file=sys.stderr)
-        return 2
     return 0
 
 

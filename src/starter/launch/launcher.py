@@ -4,7 +4,8 @@ Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-
 second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
 launches: each worker runs `python -m starter.worker <run_dir>/config.yaml` with the torch.distributed
 environment set (the torchrun contract), so all ranks train the same resolved job into the same directory.
-If one worker fails, the others are stopped and the job fails with its exit code.
+If one worker fails, the others are stopped and the job fails with its exit code; every process also runs a
+watchdog (launch/watchdog.py) that ends the processes of every node when one fails, dies or stops answering.
 
 On one machine (no MASTER_PORT given) rank 0 serves the rendezvous store on a port the OS picks (port 0) and
 holds for the whole run, so two runs started at once cannot race for a port (a port merely found free here
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 from starter.errors import PREEMPTED_EXIT_CODE
 from starter.launch.environment import external_launcher
 from starter.launch.run_name import shared_store
+from starter.launch.watchdog import failure, report
 from starter.topology import Layout
 from starter.traits import Traits
 
@@ -41,9 +43,11 @@ def serve_store(address: str):
 
 
 class WorkerFailed(Exception):
-    def __init__(self, message: str, exit_code: int):
+    """The job's exit code; `message` is None where the failing process has said why (or another node's did)."""
+
+    def __init__(self, message: str | None, exit_code: int):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.message, self.exit_code = message, exit_code
 
 
 def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
@@ -54,7 +58,9 @@ def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
     return external_launcher(layout.world) is None
 
 
-def launch_workers(config_path: Path, layout: Layout, stop_signals=("SIGTERM",), grace_s: float = 10.0) -> None:
+def launch_workers(
+    config_path: Path, layout: Layout, stop_signals=("SIGTERM",), grace_s: float = 10.0, linger_s: float = 0.0
+) -> None:
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -62,6 +68,7 @@ def launch_workers(config_path: Path, layout: Layout, stop_signals=("SIGTERM",),
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         NODE_RANK=str(node_rank),
         WORLD_SIZE=str(layout.world),
+        LOCAL_WORLD_SIZE=str(devices),
         # as torchrun: the cores shared out, not every worker running a thread per core of the machine
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )
@@ -86,7 +93,15 @@ def launch_workers(config_path: Path, layout: Layout, stop_signals=("SIGTERM",),
     try:
         if port_pipe is not None:
             _relay_port(port_pipe, procs[1:])
-        _wait(procs, received)
+        _wait(procs, received, node_rank * devices)
+    except WorkerFailed as failed:
+        if failed.message and failed.exit_code != PREEMPTED_EXIT_CODE:
+            # several nodes: the other nodes' processes read it in the store and stop now (one line, said here)
+            report(shared_store(), failed.exit_code, failed.message)
+            failed.message = None
+        if node_rank == 0 and shared_store() is not None:
+            time.sleep(linger_s)  # this job serves the store: the other nodes read the failure from it first
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -132,25 +147,40 @@ def join_rendezvous():
     return None
 
 
-def _wait(procs: list[subprocess.Popen], received: list[str]) -> None:
+def _wait(procs: list[subprocess.Popen], received: list[str], first_rank: int) -> None:
     """Until every worker exits 0; else raises for the first that failed, with its code (128 + the signal's number
-    for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it)."""
+    for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it). A worker that exits with a
+    code has said why (watchdog.report); one a signal ended cannot, so this says it. Several nodes: also ends when
+    a process of another node has reported a failure in the store (this node's workers may be unable to leave)."""
+    store, polls = shared_store(), 0
     while True:
         codes = [p.poll() for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if killed := [(rank, code) for rank, code in failed if code < 0]:
+            rank, code = killed[0]
+            name = signal.Signals(-code).name
+            where = f"rank {first_rank + rank} (node {first_rank // len(procs)})"
+            raise WorkerFailed(f"{where} was killed by {name}; every process of the run stops", 128 - code)
         if failed:
-            rank, code = failed[0]
-            message = f"worker of local rank {rank} exited with code {code}; the other workers were stopped"
-            if code < 0:
-                message = (f"worker of local rank {rank} was killed by {signal.Signals(-code).name}; the other workers"
-                           " were stopped")  # fmt: skip
+            code = failed[0][1]
             if code == PREEMPTED_EXIT_CODE:
                 name = received[0] if received else "a stop signal"
-                message = f"stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-            raise WorkerFailed(message, exit_code=code if code > 0 else 128 - code)
+                raise WorkerFailed(f"stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last",
+                                   code)  # fmt: skip
+            raise WorkerFailed(None, code)
         if all(code == 0 for code in codes):
             return
+        polls += 1
+        if store is not None and polls % 5 == 0 and (found := _reported(store)):
+            raise WorkerFailed(None, found[0])
         time.sleep(0.2)
+
+
+def _reported(store):
+    try:
+        return failure(store)
+    except Exception:  # node 0's job, which serves the store, has ended: this node's watchdogs tell why
+        return None
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -1,7 +1,7 @@
 """The `run_name` config resolver: the name of this run's directory, the same in every process of the run.
 
 A time stamp, except where several processes each compose the config and must agree on one directory:
-- torchrun: rank 0's stamp, shared through torchrun's own key-value store;
+- torchrun: rank 0's stamp, shared through torchrun's own key-value store; its restarts keep the first one;
 - our launcher on several nodes (NODE_RANK, MASTER_ADDR, MASTER_PORT set, num_nodes > 1): node 0's job serves a
   store at MASTER_PORT for the whole run and shares its stamp; every node's workers then use that store for
   their rendezvous (torch's agent-store contract, as under torchrun; launch/launcher.py);
@@ -30,8 +30,9 @@ def run_name(num_nodes: int = 1) -> str:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return stamp
-        key = f"{KEY}/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-        return _share(stamp, key, serve=False, first=int(os.environ["RANK"]) == 0)
+        # One name per torchrun job: its restarts (--max-restarts) continue the same directory (ckpt_path=auto).
+        first = int(os.environ["RANK"]) == 0
+        return _share(stamp, f"{KEY}/{os.environ['TORCHELASTIC_RUN_ID']}", serve=False, first=first)
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
     if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
@@ -48,7 +49,7 @@ def _share(stamp: str, key: str, serve: bool, first: bool) -> str:
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=serve,
                      wait_for_workers=False, timeout=timedelta(seconds=300))  # fmt: skip
     if first:
-        store.set(key, stamp)
+        store.compare_set(key, "", stamp)  # a torchrun restart keeps the name of the job's first attempt
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         _shared_store = store  # served by node 0; the other nodes' jobs (and all workers) are its clients
     return store.get(key).decode()  # waits for the first

@@ -1,0 +1,205 @@
+"""Every process of a several-process run ends, within a bound, when one of them fails, dies or stops answering.
+
+The processes already share a key-value store (our launcher's, torchrun's agent's, rank 0's under srun). Each
+process runs a `Watchdog`: a daemon thread, a client of that store, which every few seconds
+- adds 1 to this rank's heartbeat counter;
+- reads `failed`: once a process has written it, this one leaves at once with the code written there, silently
+  (whoever wrote it printed the cause);
+- rank 0 reads every rank's counter, the others read rank 0's: a counter that has not moved for `timeout_s`
+  (that process killed or stopped, its node gone) is a lost rank; the reader writes `failed` and names it.
+A store that does not answer for `timeout_s` (the process or node serving it gone or stopped) ends this process
+with a line saying so: a second thread keeps that time, since a stopped server never fails a request.
+
+`report(...)`: a process (or a node's launcher) that meets an error writes `failed`; the first writer prints its
+line, so the cause is printed once whichever ranks meet it.
+"""
+
+import os
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+
+from starter.errors import UserError, one_line
+
+LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
+KEY = "starter/watchdog"
+
+
+def key_prefix() -> str:
+    """Namespaced per torchrun attempt: its agent's store outlives a restart, and the old keys must not stop it."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"{KEY}/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    return KEY
+
+
+def interval_s(timeout_s: float) -> float:
+    return min(5.0, float(timeout_s) / 4)
+
+
+def linger_s(timeout_s: float) -> float:
+    """How long a process that serves the store stays after a failure, so every other one reads it from there."""
+    return 2 * interval_s(timeout_s) + 1
+
+
+def where(rank: int, ranks_per_node: int) -> str:
+    return f"rank {rank} (node {rank // ranks_per_node})"
+
+
+def report(store, code: int, line: str) -> bool:
+    """Write `failed` unless a process did first; print `line` only then. Returns whether this was the first."""
+    mine = f"{code}|{line}"
+    try:
+        first = store is None or store.compare_set(f"{key_prefix()}/failed", "", mine).decode() == mine
+    except Exception:  # the store is gone: say it here rather than nowhere
+        first = True
+    if first:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    return first
+
+
+def failure(store) -> tuple[int, str] | None:
+    """(code, line) that a process reported, or None."""
+    key = f"{key_prefix()}/failed"
+    if not store.check([key]):
+        return None
+    code, line = store.get(key).decode().split("|", 1)
+    return int(code), line
+
+
+def client(address: str, port: int, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Watchdog:
+    def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
+                 store_holder: str, serves_store: bool = False):  # fmt: skip
+        """`store_holder`: who serves the store, for the line said when it stops answering."""
+        self.address, self.port, self.rank, self.world = address, port, rank, world
+        self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
+        self.store_holder = store_holder
+        self.interval = interval_s(self.timeout_s)
+        self.answered = time.monotonic()  # the store's last answer
+        self.stopping = threading.Event()
+        threading.Thread(target=self._beat, name="watchdog", daemon=True).start()
+        threading.Thread(target=self._time_the_store, name="watchdog-timer", daemon=True).start()
+
+    def report(self, code: int, line: str) -> None:
+        """This process met an error: tell every other process (and print the line if the first)."""
+        try:
+            store = client(self.address, self.port, self.timeout_s)
+        except Exception:
+            store = None
+        report(store, code, f"{where(self.rank, self.ranks_per_node)}: {line}")
+        self._linger()
+
+    @contextmanager
+    def reporting(self):
+        """Runs the block; a failure in it is reported to every process and becomes SystemExit(its code): 2 for a
+        user error, 1 for an exception (its traceback printed), the first reporter's code where another process
+        failed first (a collective it broke raised here: nothing to add)."""
+        try:
+            yield
+        except UserError as err:
+            self.report(2, one_line(err))
+            raise SystemExit(2) from None
+        except Exception as err:
+            if found := self.failure():
+                raise SystemExit(found[0]) from None
+            traceback.print_exc()
+            self.report(1, f"{type(err).__name__}: {one_line(err)}")
+            raise SystemExit(1) from None
+        finally:
+            self.stop()
+
+    def failure(self) -> tuple[int, str] | None:
+        """What another process reported, if any (then this process leaves with its code, silently)."""
+        try:
+            return failure(client(self.address, self.port, self.timeout_s))
+        except Exception:
+            return None
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _beat(self) -> None:
+        prefix = key_prefix()
+        watched = range(self.world) if self.rank == 0 else [0]
+        seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
+        store = None
+        while not self.stopping.wait(self.interval):
+            try:
+                store = store or client(self.address, self.port, self.timeout_s)
+                store.add(f"{prefix}/beat/{self.rank}", 1)
+                if found := failure(store):
+                    self._leave(found[0])
+                now = time.monotonic()
+                for rank in watched:
+                    counter = store.add(f"{prefix}/beat/{rank}", 0)
+                    if counter != seen[rank][0]:
+                        seen[rank] = (counter, now)
+                    elif now - seen[rank][1] > self.timeout_s and not self.stopping.is_set():
+                        lost = where(rank, self.ranks_per_node)
+                        report(store, LOST_EXIT_CODE, f"{lost} has not answered for {self.timeout_s:.0f} s"
+                               " (killed, stopped, or its node lost); every process of the run stops")  # fmt: skip
+                        self._leave(failure(store)[0])
+                self.answered = time.monotonic()
+            except Exception:  # the store unreachable: retried; the timer ends this process if it stays so
+                store = None
+
+    def _time_the_store(self) -> None:
+        while not self.stopping.wait(1.0):
+            if time.monotonic() - self.answered > self.timeout_s + self.interval:
+                print(f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
+                      f" not answered for {self.timeout_s:.0f} s (killed, stopped, or its node lost); every process"
+                      " of the run stops", file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(LOST_EXIT_CODE)
+
+    def _leave(self, code: int) -> None:
+        if self.stopping.is_set():
+            return  # this process is ending on its own
+        self._linger()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def _linger(self) -> None:
+        if self.serves_store:
+            time.sleep(linger_s(self.timeout_s))
+
+
+def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float) -> Watchdog:
+    """The watchdog of srun's tasks and torchrun's workers, which each run train.py. Rank 0 serves the run's store
+    from now on and every rank, rank 0 too, is its client in init_process_group (torch's agent-store contract, as
+    under our launcher), so a rank that fails before the process group exists is seen too:
+    - srun: where Lightning's SLURM environment puts it (MASTER_ADDR, MASTER_PORT or the job id's port);
+    - torchrun: on a port the OS picks, told through torchrun's agent store. A fresh store for each attempt: the
+      agent's store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's
+      addresses there (connection refused, or a hang)."""
+    from torch.distributed import TCPStore
+
+    if launcher == "torchrun":
+        rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
+        agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
+        key = f"{key_prefix()}/store_port"
+        served = TCPStore(address, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+        if served is not None:
+            agent.set(key, str(served.port))
+        port = int(agent.get(key).decode())
+        os.environ["MASTER_PORT"] = str(port)
+    else:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        slurm = SLURMEnvironment()
+        rank, world = slurm.global_rank(), slurm.world_size()
+        address, port = slurm.main_address, slurm.main_port  # also sets MASTER_ADDR and MASTER_PORT
+        served = TCPStore(address, port, is_master=True, wait_for_workers=False) if rank == 0 else None
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, store_holder="rank 0 (node 0)",
+                        serves_store=served is not None)  # fmt: skip
+    watchdog.served = served  # held for as long as this process runs
+    return watchdog
