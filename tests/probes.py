@@ -143,3 +143,14 @@ class RecordLossScale(L.Callback):
         self.output.mkdir(parents=True, exist_ok=True)
         scale = {"start": self.start, "end": trainer.precision_plugin.scaler.get_scale()}
         (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(scale))
+
+
+class RaiseAtStep(L.Callback):
+    """Raises an ordinary exception (a bug in a user's code) on rank `rank` only, after training step `step`."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise ValueError(f"a bug at step {self.step}")

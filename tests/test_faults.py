@@ -165,6 +165,17 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
     assert not list(tmp_path.glob("logs/**/*.ckpt")) and not list(tmp_path.glob("logs/**/model.pt"))
 
 
+def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_every_rank_exits_1(tmp_path):
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "debug=limit", "+callbacks.bug._target_=probes.RaiseAtStep",
+                 "+callbacks.bug.step=2", "+callbacks.bug.rank=1", env={"PYTHONPATH": str(ROOT / "tests")},
+                 expect_ok=False, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
+        "error: rank 1 (node 0): ValueError: a bug at step 2"  # rank 0's broken collective adds nothing
+    ]
+    assert proc.stderr.count("Traceback (most recent call last)") == 1  # rank 1's
+
+
 def test_checkpoint_of_a_different_model_is_refused_before_training(default_run, tmp_path):
     best = default_run[1] / "checkpoints" / "best.ckpt"
     proc = train(tmp_path, "model=cnn", f"ckpt_path={best}", expect_ok=False)

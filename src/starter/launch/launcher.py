@@ -90,14 +90,18 @@ def launch_workers(
             p.send_signal(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in map(signal.Signals.__getitem__, stop_signals)}
+    port = os.environ.get("MASTER_PORT")
     try:
         if port_pipe is not None:
-            _relay_port(port_pipe, procs[1:])
+            port = _relay_port(port_pipe, procs[1:])
         _wait(procs, received, node_rank * devices)
     except WorkerFailed as failed:
         if failed.message and failed.exit_code != PREEMPTED_EXIT_CODE:
-            # several nodes: the other nodes' processes read it in the store and stop now (one line, said here)
-            report(shared_store(), failed.exit_code, failed.message)
+            # A worker a signal ended cannot say it: said here, once, and written in the run's store, where the
+            # other processes read it (their broken collectives are not the cause) and leave with its code.
+            holder = procs[0] if node_rank == 0 else None  # one node: rank 0 serves the store
+            store = shared_store() or _run_store(env["MASTER_ADDR"], port, holder)
+            report(store, failed.exit_code, failed.message)
             failed.message = None
         if node_rank == 0 and shared_store() is not None:
             time.sleep(linger_s)  # this job serves the store: the other nodes read the failure from it first
@@ -120,7 +124,7 @@ def _start_with_held_port(command: list[str], ranks: list[dict]):
     return procs, os.fdopen(read_end)
 
 
-def _relay_port(port_pipe, others: list[subprocess.Popen]) -> None:
+def _relay_port(port_pipe, others: list[subprocess.Popen]) -> str:
     with port_pipe:
         port = port_pipe.readline()  # "" if rank 0 ended first: _wait reports it
     for p in others:
@@ -129,6 +133,27 @@ def _relay_port(port_pipe, others: list[subprocess.Popen]) -> None:
             p.stdin.close()
         except BrokenPipeError:
             pass  # that worker has already exited; _wait reports it
+    return port.strip()
+
+
+def _run_store(address: str, port: str | None, holder: subprocess.Popen | None):
+    """A client of the store rank 0 serves on this node (torch imported only now, on this failure path), or None:
+    gone with rank 0, or rank 0 stopped (SIGSTOP), which never answers, and a client would wait on it for good."""
+    if holder is None or port is None or _stopped(holder.pid):
+        return None
+    try:
+        from starter.launch.watchdog import client
+
+        return client(address, int(port), timeout_s=5)
+    except Exception:
+        return None
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def join_rendezvous():

@@ -108,7 +108,9 @@ class Watchdog:
             self.report(2, one_line(err))
             raise SystemExit(2) from None
         except Exception as err:
-            if found := self.failure():
+            # A broken collective is seldom the cause: a peer's failure is, reported by the peer or, for a peer a
+            # signal ended, by its launcher; a store gone with its holder (rank 0 killed) is said by the launcher.
+            if found := self.failure(wait_s=5):
                 raise SystemExit(found[0]) from None
             traceback.print_exc()
             self.report(1, f"{type(err).__name__}: {one_line(err)}")
@@ -116,12 +118,21 @@ class Watchdog:
         finally:
             self.stop()
 
-    def failure(self) -> tuple[int, str] | None:
-        """What another process reported, if any (then this process leaves with its code, silently)."""
-        try:
-            return failure(client(self.address, self.port, self.timeout_s))
-        except Exception:
-            return None
+    def failure(self, wait_s: float = 0) -> tuple[int, str] | None:
+        """What another process reported, waiting up to `wait_s` for it (a peer killed by a signal is reported by
+        its launcher), or None."""
+        deadline, reached = time.monotonic() + wait_s, False
+        while True:
+            try:
+                found = failure(client(self.address, self.port, timeout_s=2))
+                reached = True
+                if found:
+                    return found
+            except Exception:
+                pass
+            if time.monotonic() >= deadline:
+                return None if reached or not wait_s else (1, "the run's store is gone")
+            time.sleep(0.2)
 
     def stop(self) -> None:
         self.stopping.set()
