@@ -26,14 +26,6 @@ def test_multirun_with_ddp_inside_gives_one_directory_per_job(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs" / "train").iterdir()) == ["multiruns"]
 
 
-def test_multirun_runs_fsdp_and_ddp_spawn_jobs(tmp_path):
-    train(tmp_path, "-m", "strategy=fsdp,ddp_spawn", "devices=2", "accelerator=cpu", "debug=limit")
-    jobs = sweep_jobs(tmp_path)
-    assert [j.name for j in jobs] == ["0", "1"]
-    assert ["name: fsdp" in (j / "config.yaml").read_text() for j in jobs] == [True, False]
-    assert all((j / "metrics.json").is_file() for j in jobs)
-
-
 def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_weights(tmp_path):
     import torch
 

@@ -1,12 +1,13 @@
 """Every process of a several-process run ends, within a bound, when one of them fails, dies or stops answering.
 
-The processes already share a key-value store (our launcher's, torchrun's agent's, rank 0's under srun). Each
+The processes already share a key-value store (served by rank 0, or by node 0's job of our launcher). Each
 process runs a `Watchdog`: a daemon thread, a client of that store, which every few seconds
 - adds 1 to this rank's heartbeat counter;
 - reads `failed`: once a process has written it, this one leaves at once with the code written there, silently
   (whoever wrote it printed the cause);
 - rank 0 reads every rank's counter, the others read rank 0's: a counter that has not moved for `timeout_s`
-  (that process killed or stopped, its node gone) is a lost rank; the reader writes `failed` and names it.
+  (that process killed or stopped, its node gone; STARTUP_S at least before its first beat) is a lost rank; the
+  reader writes `failed` and names it.
 A store that does not answer for `timeout_s` (the process or node serving it gone or stopped) ends this process
 with a line saying so: a second thread keeps that time, since a stopped server never fails a request.
 
@@ -26,6 +27,7 @@ from starter.errors import UserError, one_line
 
 LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
 KEY = "starter/watchdog"
+STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
 
 
 def key_prefix() -> str:
@@ -83,7 +85,7 @@ class Watchdog:
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.store_holder = store_holder
         self.interval = interval_s(self.timeout_s)
-        self.answered = time.monotonic()  # the store's last answer
+        self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
         threading.Thread(target=self._beat, name="watchdog", daemon=True).start()
         threading.Thread(target=self._time_the_store, name="watchdog-timer", daemon=True).start()
@@ -151,22 +153,25 @@ class Watchdog:
                 now = time.monotonic()
                 for rank in watched:
                     counter = store.add(f"{prefix}/beat/{rank}", 0)
+                    # a rank not yet started (imports, a slow node) gets STARTUP_S at least
+                    allowed = self.timeout_s if counter else max(self.timeout_s, STARTUP_S)
                     if counter != seen[rank][0]:
                         seen[rank] = (counter, now)
-                    elif now - seen[rank][1] > self.timeout_s and not self.stopping.is_set():
+                    elif now - seen[rank][1] > allowed and not self.stopping.is_set():
                         lost = where(rank, self.ranks_per_node)
-                        report(store, LOST_EXIT_CODE, f"{lost} has not answered for {self.timeout_s:.0f} s"
+                        report(store, LOST_EXIT_CODE, f"{lost} has not answered for {allowed:.0f} s"
                                " (killed, stopped, or its node lost); every process of the run stops")  # fmt: skip
                         self._leave(failure(store)[0])
-                self.answered = time.monotonic()
+                self.answered, self.ever_answered = time.monotonic(), True
             except Exception:  # the store unreachable: retried; the timer ends this process if it stays so
                 store = None
 
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
-            if time.monotonic() - self.answered > self.timeout_s + self.interval:
+            allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
+            if time.monotonic() - self.answered > allowed + self.interval:
                 print(f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
-                      f" not answered for {self.timeout_s:.0f} s (killed, stopped, or its node lost); every process"
+                      f" not answered for {allowed:.0f} s (killed, stopped, or its node lost); every process"
                       " of the run stops", file=sys.stderr, flush=True)  # fmt: skip
                 os._exit(LOST_EXIT_CODE)
 
