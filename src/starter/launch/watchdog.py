@@ -188,32 +188,23 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
-def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float) -> Watchdog:
-    """The watchdog of srun's tasks and torchrun's workers, which each run train.py. Rank 0 serves the run's store
-    from now on and every rank, rank 0 too, is its client in init_process_group (torch's agent-store contract, as
-    under our launcher), so a rank that fails before the process group exists is seen too:
-    - srun: where Lightning's SLURM environment puts it (MASTER_ADDR, MASTER_PORT or the job id's port);
-    - torchrun: on a port the OS picks, told through torchrun's agent store. A fresh store for each attempt: the
-      agent's store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's
-      addresses there (connection refused, or a hang)."""
+def watch_torchrun_ranks(ranks_per_node: int, timeout_s: float) -> Watchdog:
+    """The watchdog of torchrun's workers, which each run train.py. Rank 0 serves the run's store from now on, on
+    a port the OS picks, told through torchrun's agent store, and every rank, rank 0 too, is its client in
+    init_process_group (torch's agent-store contract, as under our launcher). A fresh store for each attempt: the
+    agent's store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's
+    addresses there (connection refused, or a hang). (srun's tasks have no watchdog yet: a client that connected
+    before rank 0's store was up sometimes never beat, 2 runs in 12; see docs/guarantees.md.)"""
     from torch.distributed import TCPStore
 
-    if launcher == "torchrun":
-        rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
-        agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
-        key = f"{key_prefix()}/store_port"
-        served = TCPStore(address, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
-        if served is not None:
-            agent.set(key, str(served.port))
-        port = int(agent.get(key).decode())
-        os.environ["MASTER_PORT"] = str(port)
-    else:
-        from lightning.fabric.plugins.environments import SLURMEnvironment
-
-        slurm = SLURMEnvironment()
-        rank, world = slurm.global_rank(), slurm.world_size()
-        address, port = slurm.main_address, slurm.main_port  # also sets MASTER_ADDR and MASTER_PORT
-        served = TCPStore(address, port, is_master=True, wait_for_workers=False) if rank == 0 else None
+    rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
+    agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
+    key = f"{key_prefix()}/store_port"
+    served = TCPStore(address, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    if served is not None:
+        agent.set(key, str(served.port))
+    port = int(agent.get(key).decode())  # waits for rank 0: the store is up before any client connects
+    os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, store_holder="rank 0 (node 0)",
                         serves_store=served is not None)  # fmt: skip
