@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from starter.errors import PREEMPTED_EXIT_CODE
 from starter.launch.environment import external_launcher
 from starter.launch.run_name import shared_store
-from starter.launch.watchdog import failure, report
+from starter.launch.watchdog import failure, report, where
 from starter.topology import Layout
 from starter.traits import Traits
 
@@ -184,8 +184,8 @@ def _wait(procs: list[subprocess.Popen], received: list[str], first_rank: int) -
         if killed := [(rank, code) for rank, code in failed if code < 0]:
             rank, code = killed[0]
             name = signal.Signals(-code).name
-            where = f"rank {first_rank + rank} (node {first_rank // len(procs)})"
-            raise WorkerFailed(f"{where} was killed by {name}; every process of the run stops", 128 - code)
+            lost = where(first_rank + rank, ranks_per_node=len(procs))
+            raise WorkerFailed(f"{lost} was killed by {name}; every process of the run stops", 128 - code)
         if failed:
             code = failed[0][1]
             if code == PREEMPTED_EXIT_CODE:
