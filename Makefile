@@ -24,8 +24,12 @@ lock:
 train: install
 	$(PY) train.py
 
+# Two test files at a time (pytest-xdist; a file's tests and module fixtures stay in one worker): most runs are
+# 2 processes that wait on each other or on startup, so two files keep 2 cores busy. TEST_WORKERS=0: one at a time.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"

@@ -58,11 +58,19 @@ def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2)
     raise AssertionError(f"no checkpoint appeared; exit code {proc.poll()}")
 
 
-def worker_of_rank(launcher: subprocess.Popen, local_rank: int) -> int:
-    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    for pid in children:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"LOCAL_RANK={local_rank}".encode() in environ:
+def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the worker of `rank` among the launcher's descendants: our workers are named after their rank
+    (children of its fork server), torchrun's have RANK in their environment."""
+    pids, found = [str(launcher.pid)], []
+    while pids:
+        pids = subprocess.run(["pgrep", "-P", ",".join(pids)], capture_output=True, text=True).stdout.split()
+        found += pids
+    for pid in found:
+        try:
+            comm, environ = Path(f"/proc/{pid}/comm").read_text().strip(), Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if comm == f"rank {rank}" or f"RANK={rank}".encode() in environ.split(b"\0"):
             return int(pid)
     raise AssertionError("worker not found")
 

@@ -154,3 +154,20 @@ class RaiseAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             raise ValueError(f"a bug at step {self.step}")
+
+
+class RecordProcess(L.Callback):
+    """Writes `<output>/rank<r>.json`: what the process a rank runs in was given (name, threads, start method)."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import multiprocessing
+
+        import torch
+
+        self.output.mkdir(parents=True, exist_ok=True)
+        process = {"name": Path("/proc/self/comm").read_text().strip(), "threads": torch.get_num_threads(),
+                   "start_method": multiprocessing.get_start_method(), "RANK": os.environ.get("RANK")}  # fmt: skip
+        (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(process))

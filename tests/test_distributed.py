@@ -1,5 +1,7 @@
 """ddp and ddp_spawn on 2 CPU processes (gloo): same results as one process, one run directory, one voice."""
 
+import json
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -10,18 +12,29 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from conftest import CONF, read_metrics, run_dirs, train
+from conftest import CONF, ROOT, read_metrics, run_dirs, train
 from starter.strategies.build import build_strategy
 from starter.topology import Layout
 
 pytestmark = pytest.mark.slow
+PROBES = {"PYTHONPATH": str(ROOT / "tests")}
+RECORD_PROCESS = [
+    "+callbacks.process._target_=probes.RecordProcess",
+    "+callbacks.process.output=${paths.output_dir}/process",
+]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_two_processes_match_one_process_in_one_run_directory(strategy, default_run, tmp_path):
-    proc = train(tmp_path, f"strategy={strategy}", "devices=2", "accelerator=cpu")
+    proc = train(tmp_path, f"strategy={strategy}", "devices=2", "accelerator=cpu", *RECORD_PROCESS, env=PROBES)
     (run_dir,) = run_dirs(tmp_path)  # one directory, however many processes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    if strategy == "ddp":  # forked from the launcher's fork server, each worker is set up as a process of its own
+        threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // 2)))
+        for rank in (0, 1):
+            process = json.loads((run_dir / "process" / f"rank{rank}.json").read_text())
+            assert process == {"name": f"rank {rank}", "threads": threads,
+                               "start_method": multiprocessing.get_start_method(), "RANK": str(rank)}  # fmt: skip
 
     single = read_metrics(default_run[1])
     multi = read_metrics(run_dir)

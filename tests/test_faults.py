@@ -276,7 +276,7 @@ def test_a_stopped_rank_on_another_node_ends_the_run_within_the_heartbeat_timeou
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
     procs = [start_node(tmp_path, n, port, *long) for n in (0, 1)]
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    os.kill(worker_of_rank(procs[1], 0), signal.SIGSTOP)
+    os.kill(worker_of_rank(procs[1], 1), signal.SIGSTOP)  # node 1's
     stopped_at = time.monotonic()
     codes, ended, lines = exits(procs, timeout=60)
     # within heartbeat_timeout_s + a heartbeat or two + node 1's launcher's 10 s grace for its stopped worker

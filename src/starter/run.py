@@ -26,15 +26,11 @@ from starter.traits import Traits
 
 log = logging.getLogger(__name__)
 
-if logging.getLogger().hasHandlers():
-    # `lightning` brings its own console handler and also propagates to the root's (Hydra's console and
-    # train.log, or the worker's): keep the root's only, so each line is printed once and also logged to file.
-    logging.getLogger("lightning").handlers.clear()
-
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
     _silence_known_noise()
+    _log_through_root()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
     datamodule = build(cfg.data)
@@ -91,6 +87,16 @@ KNOWN_NOISE = (
     # Lightning 2.6 calls a pytree API that torch 2.14 deprecates.
     "`isinstance(treespec",  # (a prefix: PYTHONWARNINGS entries cannot hold commas)
 )
+
+
+def _log_through_root() -> None:
+    """Lightning's loggers bring console handlers of their own (all of them where Lightning was imported before
+    logging was set up: in the workers' fork server). Where the root has handlers (Hydra's console and train.log,
+    or the worker's), only the root's print, so each line is printed once and also logged to file."""
+    if logging.getLogger().hasHandlers():
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
 
 
 def _silence_known_noise() -> None:

@@ -1,21 +1,35 @@
-"""One process of a multi-process run: `python -m starter.worker RUN_DIR/config.yaml`, started by launch/launcher.py.
+"""One process of a multi-process run: `forked(env, RUN_DIR/config.yaml)`, started by launch/launcher.py from its
+fork server, or `python -m starter.worker RUN_DIR/config.yaml` with the torch.distributed environment set.
 
 Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given.
 """
 
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.launch.launcher import join_rendezvous
+from starter.launch.launcher import SERVER_IGNORES, join_rendezvous
 from starter.launch.watchdog import Watchdog
 
 
-def main(config_path: str) -> int:
+def forked(env: dict, config_path: str, port_to=None) -> None:
+    """A worker forked by the launcher's fork server, which has imported torch and Lightning already."""
+    for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
+        signal.signal(signum, signal.SIG_DFL)
+    multiprocessing.set_start_method(None, force=True)  # loader workers: the platform's way, not the server's
+    os.environ.clear()
+    os.environ.update(env)
+    sys.exit(main(config_path, port_to))
+
+
+def main(config_path: str, port_to=None) -> int:
     rank = int(os.environ.get("RANK", 0))
+    _name_process(f"rank {rank}")
     cfg = OmegaConf.load(config_path)
     handlers = [logging.StreamHandler()]
     if rank == 0:  # rank 0 continues the run's log file; other ranks only warn, so no console line is repeated
@@ -25,9 +39,13 @@ def main(config_path: str) -> int:
         format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
         handlers=handlers,
     )
-    from starter.run import run  # torch and lightning: imported by all ranks at once, before they wait
+    import torch
 
-    store = join_rendezvous()  # rank 0 serves the store for as long as it runs (one node)
+    from starter.run import run  # torch and Lightning: imported already where the fork server forked this
+
+    if threads := os.environ.get("OMP_NUM_THREADS"):  # read by OpenMP when torch loaded: maybe in the fork server
+        torch.set_num_threads(int(threads))
+    store = join_rendezvous(port_to)  # rank 0 serves the store for as long as it runs (one node)
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     holder = "rank 0 (node 0)" if int(cfg.num_nodes) == 1 else "node 0's train.py"
     address, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
@@ -36,6 +54,14 @@ def main(config_path: str) -> int:
     with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code
         run(cfg)
     return 0
+
+
+def _name_process(name: str) -> None:
+    """`ps -o comm`, top and htop show which rank a process is (Linux: 15 characters)."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -2,22 +2,29 @@
 
 Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-composes the config, makes a
 second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
-launches: each worker runs `python -m starter.worker <run_dir>/config.yaml` with the torch.distributed
-environment set (the torchrun contract), so all ranks train the same resolved job into the same directory.
-If one worker fails, the others are stopped and the job fails with its exit code; every process also runs a
-watchdog (launch/watchdog.py) that ends the processes of every node when one fails, dies or stops answering.
+launches: each worker runs `starter.worker.main(<run_dir>/config.yaml)` with the torch.distributed environment
+set (the torchrun contract), so all ranks train the same resolved job into the same directory. If one worker
+fails, the others are stopped and the job fails with its exit code; every process also runs a watchdog
+(launch/watchdog.py) that ends the processes of every node when one fails, dies or stops answering.
+
+The workers are forked from one fork server (multiprocessing's forkserver: a fresh interpreter, no CUDA, no
+thread of this process) that imported torch and Lightning once, so N workers cost one import (8 s of CPU on a
+small machine) instead of N at once, also on a file system that serves Python's files slowly. A sweep keeps
+the server: its next jobs start at once. The worker sets its own environment and thread count.
 
 On one machine (no MASTER_PORT given) rank 0 serves the rendezvous store on a port the OS picks (port 0) and
-holds for the whole run, so two runs started at once cannot race for a port (a port merely found free here
-and bound by rank 0 seconds later, after its torch import, could be taken in between). Rank 0 tells this
-process the port through a pipe; it passes it on to the other ranks' stdin. This process never imports torch.
+holds it for the whole run, so two runs started at once cannot race for a port (a port merely found free here
+and bound by rank 0 later could be taken in between). Rank 0 sends this process the port through a pipe; the
+other ranks start with it. This process never imports torch (the fork server does).
 """
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
-import subprocess
-import sys
 import time
+from functools import cache
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -29,8 +36,11 @@ from starter.launch.watchdog import failure, report, where
 from starter.topology import Layout
 from starter.traits import Traits
 
-PORT_PIPE = "STARTER_MASTER_PORT_PIPE"  # rank 0: write the port of the store it serves to this fd
-PORT_ON_STDIN = "STARTER_MASTER_PORT_ON_STDIN"  # other ranks: read that port on stdin
+# The scheduler's signals go to every process of a job: the fork server ignores them (its workers, each the
+# server's child, act on them); a server they ended would leave the workers unseen by this process.
+SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# What the fork server imports once, before it forks any worker: torch and Lightning, nothing that asks CUDA.
+PRELOAD = ["starter.worker", "starter.run"]
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -72,29 +82,29 @@ def launch_workers(
         # as torchrun: the cores shared out, not every worker running a thread per core of the machine
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )
-    command = [sys.executable, "-m", "starter.worker", str(config_path)]
     ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]
-    port_pipe = None
-    if shared_store() is not None:  # several nodes: node 0's job serves the store at MASTER_PORT (run_name.py)
-        procs = [subprocess.Popen(command, env=dict(rank_env, **AGENT_STORE)) for rank_env in ranks]
-    elif os.environ.get("MASTER_PORT"):  # chosen by the user: rank 0 serves the store there
-        procs = [subprocess.Popen(command, env=rank_env) for rank_env in ranks]
-    else:
-        procs, port_pipe = _start_with_held_port(command, ranks)
-    # A stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits; we wait.
-    received = []
+    # The store, served apart from init_process_group: on one node by rank 0 on a port the OS picks; on several
+    # by node 0's job at MASTER_PORT (run_name.py). A port the user chose on one node: rank 0 serves it there.
+    if not os.environ.get("MASTER_PORT") or shared_store() is not None:
+        ranks = [dict(r, **AGENT_STORE) for r in ranks]
+    procs: list[BaseProcess] = []
+    received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
 
     def forward(signum, frame) -> None:
         received.append(signal.Signals(signum).name)
         for p in procs:
-            p.send_signal(signum)
+            _signal(p, signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in map(signal.Signals.__getitem__, stop_signals)}
     port = os.environ.get("MASTER_PORT")
     try:
-        if port_pipe is not None:
-            port = _relay_port(port_pipe, procs[1:])
-        _wait(procs, received, node_rank * devices)
+        if port is None:
+            port = _start_with_held_port(config_path, ranks, procs)
+        else:
+            procs += [_start(config_path, r) for r in ranks]
+        for name in received[:1]:  # a stop signal came while they started: the last ones have not had it
+            forward(signal.Signals[name], None)
+        _wait(procs, received, node_rank * devices, devices)
     except WorkerFailed as failed:
         if failed.message and failed.exit_code != PREEMPTED_EXIT_CODE:
             # A worker a signal ended cannot say it: said here, once, and written in the run's store, where the
@@ -112,31 +122,52 @@ def launch_workers(
         _stop(procs, grace_s)
 
 
-def _start_with_held_port(command: list[str], ranks: list[dict]):
-    """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and writes the port to a pipe; the
-    other ranks read it on stdin. All ranks are clients of that store (torch's agent-store contract)."""
-    read_end, write_end = os.pipe()
-    rank0 = dict(ranks[0], **AGENT_STORE, **{PORT_PIPE: str(write_end)})
-    procs = [subprocess.Popen(command, env=rank0, pass_fds=(write_end,))]
-    os.close(write_end)
-    procs += [subprocess.Popen(command, env=dict(r, **AGENT_STORE, **{PORT_ON_STDIN: "1"}), stdin=subprocess.PIPE,
-                               text=True) for r in ranks[1:]]  # fmt: skip
-    return procs, os.fdopen(read_end)
+@cache
+def _fork_server():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    return context
 
 
-def _relay_port(port_pipe, others: list[subprocess.Popen]) -> str:
-    with port_pipe:
-        port = port_pipe.readline()  # "" if rank 0 ended first: _wait reports it
-    for p in others:
-        try:
-            p.stdin.write(port)
-            p.stdin.close()
-        except BrokenPipeError:
-            pass  # that worker has already exited; _wait reports it
-    return port.strip()
+def _start(config_path: Path, env: dict, port_to=None) -> BaseProcess:
+    from starter.worker import forked
+
+    process = _fork_server().Process(target=forked, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
+    process.start()
+    return process
 
 
-def _run_store(address: str, port: str | None, holder: subprocess.Popen | None):
+def _start_with_held_port(config_path: Path, ranks: list[dict], procs: list[BaseProcess]) -> str | None:
+    """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and sends the port through a pipe; the
+    other ranks start with it. All ranks are clients of that store (torch's agent-store contract). Returns the
+    port, or None where rank 0 ended before it said (then _wait reports rank 0)."""
+    receive, send = _fork_server().Pipe(duplex=False)
+    procs.append(_start(config_path, ranks[0], port_to=send))
+    send.close()  # rank 0 holds the only sending end: reading ends when it sends or ends
+    try:
+        port = str(receive.recv())
+    except EOFError:
+        return None
+    finally:
+        receive.close()
+    procs += [_start(config_path, dict(r, MASTER_PORT=port)) for r in ranks[1:]]
+    return port
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    try:
+        os.kill(process.pid, signum)
+    except ProcessLookupError:
+        pass  # it has exited already
+
+
+def _run_store(address: str, port: str | None, holder: BaseProcess | None):
     """A client of the store rank 0 serves on this node (torch imported only now, on this failure path), or None:
     gone with rank 0, or rank 0 stopped (SIGSTOP), which never answers, and a client would wait on it for good."""
     if holder is None or port is None or _stopped(holder.pid):
@@ -156,35 +187,30 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def join_rendezvous():
-    """The worker's side of _start_with_held_port (sets MASTER_PORT); rank 0 returns the store it serves."""
-    if pipe := os.environ.get(PORT_PIPE):
-        store = serve_store(os.environ["MASTER_ADDR"])
-        os.environ["MASTER_PORT"] = str(store.port)
-        with os.fdopen(int(pipe), "w") as f:
-            f.write(f"{store.port}\n")
-        return store
-    if os.environ.get(PORT_ON_STDIN):
-        port = sys.stdin.readline().strip()
-        if not port:
-            raise SystemExit(1)  # rank 0 ended before it could say; the launcher reports rank 0
-        os.environ["MASTER_PORT"] = port
-    return None
+def join_rendezvous(port_to=None):
+    """The worker's side of _start_with_held_port: rank 0 serves the store, sends its port and returns it."""
+    if port_to is None:
+        return None
+    store = serve_store(os.environ["MASTER_ADDR"])
+    os.environ["MASTER_PORT"] = str(store.port)
+    with port_to:
+        port_to.send(store.port)
+    return store
 
 
-def _wait(procs: list[subprocess.Popen], received: list[str], first_rank: int) -> None:
+def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_node: int) -> None:
     """Until every worker exits 0; else raises for the first that failed, with its code (128 + the signal's number
     for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it). A worker that exits with a
     code has said why (watchdog.report); one a signal ended cannot, so this says it. Several nodes: also ends when
     a process of another node has reported a failure in the store (this node's workers may be unable to leave)."""
     store, polls = shared_store(), 0
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if killed := [(rank, code) for rank, code in failed if code < 0]:
             rank, code = killed[0]
             name = signal.Signals(-code).name
-            lost = where(first_rank + rank, ranks_per_node=len(procs))
+            lost = where(first_rank + rank, ranks_per_node=per_node)
             raise WorkerFailed(f"{lost} was killed by {name}; every process of the run stops", 128 - code)
         if failed:
             code = failed[0][1]
@@ -208,14 +234,13 @@ def _reported(store):
         return None
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(procs: list[BaseProcess], grace_s: float) -> None:
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        if p.exitcode is None:
+            _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
             p.kill()
-            p.wait()
+            p.join()
