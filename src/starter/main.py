@@ -14,6 +14,7 @@ from starter.launch.launcher import WorkerFailed, launch_workers, needs_launch
 from starter.launch.run_name import shared_store
 from starter.launch.watchdog import linger_s, report, watch_torchrun_ranks
 from starter.preflight import prepare
+from starter.worker import PRELOAD, forked
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         if needs_launch(cfg, layout):
-            launch_workers(config_path, layout, stop_signals=list(cfg.stop_signals),
+            launch_workers(forked, PRELOAD, config_path, layout, stop_signals=list(cfg.stop_signals),
                            linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
             # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
             metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}

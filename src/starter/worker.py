@@ -16,6 +16,10 @@ from omegaconf import OmegaConf
 from starter.launch.launcher import SERVER_IGNORES, join_rendezvous
 from starter.launch.watchdog import Watchdog
 
+# What the launcher's fork server imports once, before it forks any worker: torch and Lightning; none of it asks
+# CUDA anything (a CUDA driver initialised before a fork fails in the forked workers).
+PRELOAD = ("starter.worker", "starter.run")
+
 
 def forked(env: dict, config_path: str, port_to=None) -> None:
     """A worker forked by the launcher's fork server, which has imported torch and Lightning already."""

@@ -23,6 +23,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import time
+from collections.abc import Callable
 from functools import cache
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -39,8 +40,6 @@ from starter.traits import Traits
 # The scheduler's signals go to every process of a job: the fork server ignores them (its workers, each the
 # server's child, act on them); a server they ended would leave the workers unseen by this process.
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-# What the fork server imports once, before it forks any worker: torch and Lightning, nothing that asks CUDA.
-PRELOAD = ["starter.worker", "starter.run"]
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -69,8 +68,16 @@ def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
 
 
 def launch_workers(
-    config_path: Path, layout: Layout, stop_signals=("SIGTERM",), grace_s: float = 10.0, linger_s: float = 0.0
+    entry: Callable,
+    preload: tuple[str, ...],
+    config_path: Path,
+    layout: Layout,
+    stop_signals=("SIGTERM",),
+    grace_s: float = 10.0,
+    linger_s: float = 0.0,
 ) -> None:
+    """Runs `entry(env, config_path, port_to)` in one process per device of this node, forked from a server that
+    imported `preload` (the worker's modules) once."""
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -88,6 +95,13 @@ def launch_workers(
     if not os.environ.get("MASTER_PORT") or shared_store() is not None:
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
     procs: list[BaseProcess] = []
+    server = _fork_server(preload)
+
+    def start(env: dict, port_to=None) -> BaseProcess:
+        process = server.Process(target=entry, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
+        process.start()
+        return process
+
     received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
 
     def forward(signum, frame) -> None:
@@ -99,9 +113,9 @@ def launch_workers(
     port = os.environ.get("MASTER_PORT")
     try:
         if port is None:
-            port = _start_with_held_port(config_path, ranks, procs)
+            port = _start_with_held_port(start, ranks, procs)
         else:
-            procs += [_start(config_path, r) for r in ranks]
+            procs += [start(r) for r in ranks]
         for name in received[:1]:  # a stop signal came while they started: the last ones have not had it
             forward(signal.Signals[name], None)
         _wait(procs, received, node_rank * devices, devices)
@@ -123,9 +137,9 @@ def launch_workers(
 
 
 @cache
-def _fork_server():
+def _fork_server(preload: tuple[str, ...]):
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload(list(preload))
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
     try:
         multiprocessing.forkserver.ensure_running()
@@ -135,20 +149,12 @@ def _fork_server():
     return context
 
 
-def _start(config_path: Path, env: dict, port_to=None) -> BaseProcess:
-    from starter.worker import forked
-
-    process = _fork_server().Process(target=forked, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
-    process.start()
-    return process
-
-
-def _start_with_held_port(config_path: Path, ranks: list[dict], procs: list[BaseProcess]) -> str | None:
+def _start_with_held_port(start: Callable, ranks: list[dict], procs: list[BaseProcess]) -> str | None:
     """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and sends the port through a pipe; the
     other ranks start with it. All ranks are clients of that store (torch's agent-store contract). Returns the
     port, or None where rank 0 ended before it said (then _wait reports rank 0)."""
-    receive, send = _fork_server().Pipe(duplex=False)
-    procs.append(_start(config_path, ranks[0], port_to=send))
+    receive, send = multiprocessing.Pipe(duplex=False)
+    procs.append(start(ranks[0], port_to=send))
     send.close()  # rank 0 holds the only sending end: reading ends when it sends or ends
     try:
         port = str(receive.recv())
@@ -156,7 +162,7 @@ def _start_with_held_port(config_path: Path, ranks: list[dict], procs: list[Base
         return None
     finally:
         receive.close()
-    procs += [_start(config_path, dict(r, MASTER_PORT=port)) for r in ranks[1:]]
+    procs += [start(dict(r, MASTER_PORT=port)) for r in ranks[1:]]
     return port
 
 
