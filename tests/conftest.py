@@ -30,6 +30,7 @@ if not OmegaConf.has_resolver("run_name"):
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+PROBES = {"PYTHONPATH": str(ROOT / "tests")}  # the environment of a run that adds callbacks from tests/probes.py
 
 
 def free_port() -> int:

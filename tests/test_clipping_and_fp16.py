@@ -14,7 +14,7 @@ import torch
 from conftest import (
     CLIPPED_ON_TWO,
     OVERFLOW_ON_TWO,
-    ROOT,
+    PROBES,
     SMALL_VIT_20_STEPS,
     max_difference,
     model_weights,
@@ -25,7 +25,6 @@ from conftest import (
 
 pytestmark = pytest.mark.slow
 VIT = [*SMALL_VIT_20_STEPS, "test=false"]
-PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 CLIP = 0.05
 SAME = 1e-5
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import QUIET, ROOT, compose_config, free_port, read_metrics, run_dirs, slurm_env, train
+from conftest import PROBES, QUIET, ROOT, compose_config, free_port, read_metrics, run_dirs, slurm_env, train
 from starter.errors import UserError
 from starter.preflight import prepare
 
@@ -157,7 +157,7 @@ def test_compile_under_ddp_spawn_compiles_in_each_spawned_process(tmp_path):
     proc = train(tmp_path, "strategy=ddp_spawn", "devices=2", "compile=true", "+compile_options.backend=eager",
                  *SHORT, "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                  "+callbacks.probe._target_=probes.RecordCompiledGraphs", f"+callbacks.probe.output={probe}",
-                 env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+                 env=PROBES)  # fmt: skip
     ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["graphs"] > 0 for r in ranks)  # each training process ran a compiled forward
     assert ranks[0]["parent"] == ranks[1]["parent"] not in {r["pid"] for r in ranks}  # both spawned by train.py

@@ -12,12 +12,11 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from conftest import CONF, ROOT, read_metrics, run_dirs, train
+from conftest import CONF, PROBES, read_metrics, run_dirs, train
 from starter.strategies.build import build_strategy
 from starter.topology import Layout
 
 pytestmark = pytest.mark.slow
-PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 RECORD_PROCESS = [
     "+callbacks.process._target_=probes.RecordProcess",
     "+callbacks.process.output=${paths.output_dir}/process",

@@ -5,7 +5,7 @@ import csv
 import pytest
 import torch
 
-from conftest import ROOT, max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import PROBES, max_difference, model_weights, read_metrics, run_dirs, train
 
 pytestmark = pytest.mark.slow
 # 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, on CPU in fp32.
@@ -83,7 +83,6 @@ def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, 
 # again in the same directory, as a requeued job runs it.
 RESUME = ["accelerator=cpu", "trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
           "test=false", "trainer.log_every_n_steps=1"]  # fmt: skip
-PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 
 
 def ranks(strategy: str) -> list[str]:

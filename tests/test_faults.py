@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import (
+    PROBES,
     QUIET,
     ROOT,
     free_port,
@@ -155,7 +156,7 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
     # Step 13 of epoch 0 (19 steps): found at the end of the epoch, before its checkpoint would be written.
     proc = train(tmp_path, f"strategy={strategy}", f"devices={1 if strategy == 'auto' else 2}",
                  "+callbacks.nan._target_=probes.NanWeightsAtStep", "+callbacks.nan.step=13",
-                 env={"PYTHONPATH": str(ROOT / "tests")}, expect_ok=False)  # fmt: skip
+                 env=PROBES, expect_ok=False)  # fmt: skip
     assert proc.returncode == 2
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     # several processes: both meet it; the line names the one that said it first, once
@@ -167,7 +168,7 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
 
 def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_every_rank_exits_1(tmp_path):
     proc = train(tmp_path, "strategy=ddp", "devices=2", "debug=limit", "+callbacks.bug._target_=probes.RaiseAtStep",
-                 "+callbacks.bug.step=2", "+callbacks.bug.rank=1", env={"PYTHONPATH": str(ROOT / "tests")},
+                 "+callbacks.bug.step=2", "+callbacks.bug.rank=1", env=PROBES,
                  expect_ok=False, timeout=120)  # fmt: skip
     assert proc.returncode == 1
     assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [

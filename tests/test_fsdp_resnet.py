@@ -4,7 +4,7 @@ buffers under CPU offload. Part of the larger examples (`examples=minimal` leave
 import pytest
 import torch
 
-from conftest import ROOT, train
+from conftest import PROBES, train
 from starter.models.classifier import Classifier
 from starter.models.nets.resnet import ResNet
 from starter.strategies.fsdp import move_state_but_parameters, sharding_units
@@ -29,7 +29,7 @@ def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activat
     train(tmp_path, "strategy=fsdp", "model=resnet18", "precision=bf16-mixed", "channels_last=true", *TWO_PROCESSES,
           "data.batch_size=16", "debug=limit", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
           "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
-          f"+callbacks.probe.output={probe}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+          f"+callbacks.probe.output={probe}", env=PROBES)  # fmt: skip
     assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]
 
 

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import (
-    ROOT,
+    PROBES,
     SMALL_VIT_20_STEPS,
     compose_config,
     max_difference,
@@ -31,7 +31,6 @@ VIT = [*SMALL_VIT_20_STEPS, "trainer.log_every_n_steps=1"]
 # as far.) Evaluation sees the same 128 samples in 4 batches of 32.
 ACCUMULATE = ["data.batch_size=32", "trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=10",
               "trainer.limit_val_batches=4", "trainer.limit_test_batches=4"]  # fmt: skip
-PROBES = {"PYTHONPATH": str(ROOT / "tests")}
 # Float summation order differs (partial sums across ranks, micro-batches): the same maths, not the same bits.
 SAME = 1e-5
 

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from starter.errors import PREEMPTED_EXIT_CODE
 from starter.launch.environment import external_launcher
 from starter.launch.run_name import shared_store
-from starter.launch.watchdog import failure, report, where
+from starter.launch.watchdog import failure, report, serve_store, where
 from starter.topology import Layout
 from starter.traits import Traits
 
@@ -42,13 +42,6 @@ from starter.traits import Traits
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-
-
-def serve_store(address: str):
-    """A rendezvous store on a port the OS picks (port 0), held for as long as the returned object lives."""
-    from torch.distributed import TCPStore
-
-    return TCPStore(address, 0, is_master=True, wait_for_workers=False)
 
 
 class WorkerFailed(Exception):
@@ -95,14 +88,15 @@ def launch_workers(
     if not os.environ.get("MASTER_PORT") or shared_store() is not None:
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
     procs: list[BaseProcess] = []
+    received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
     server = _fork_server(preload)
 
-    def start(env: dict, port_to=None) -> BaseProcess:
+    def start(env: dict, port_to=None) -> None:
         process = server.Process(target=entry, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
         process.start()
-        return process
-
-    received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
+        procs.append(process)
+        if received:  # a stop signal came while the workers started: this one has not had it
+            _signal(process, signal.Signals[received[0]])
 
     def forward(signum, frame) -> None:
         received.append(signal.Signals(signum).name)
@@ -113,11 +107,10 @@ def launch_workers(
     port = os.environ.get("MASTER_PORT")
     try:
         if port is None:
-            port = _start_with_held_port(start, ranks, procs)
+            port = _start_with_held_port(start, ranks)
         else:
-            procs += [start(r) for r in ranks]
-        for name in received[:1]:  # a stop signal came while they started: the last ones have not had it
-            forward(signal.Signals[name], None)
+            for rank_env in ranks:
+                start(rank_env)
         _wait(procs, received, node_rank * devices, devices)
     except WorkerFailed as failed:
         if failed.message and failed.exit_code != PREEMPTED_EXIT_CODE:
@@ -149,12 +142,12 @@ def _fork_server(preload: tuple[str, ...]):
     return context
 
 
-def _start_with_held_port(start: Callable, ranks: list[dict], procs: list[BaseProcess]) -> str | None:
+def _start_with_held_port(start: Callable, ranks: list[dict]) -> str | None:
     """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and sends the port through a pipe; the
     other ranks start with it. All ranks are clients of that store (torch's agent-store contract). Returns the
     port, or None where rank 0 ended before it said (then _wait reports rank 0)."""
     receive, send = multiprocessing.Pipe(duplex=False)
-    procs.append(start(ranks[0], port_to=send))
+    start(ranks[0], port_to=send)
     send.close()  # rank 0 holds the only sending end: reading ends when it sends or ends
     try:
         port = str(receive.recv())
@@ -162,7 +155,8 @@ def _start_with_held_port(start: Callable, ranks: list[dict], procs: list[BasePr
         return None
     finally:
         receive.close()
-    procs += [start(dict(r, MASTER_PORT=port)) for r in ranks[1:]]
+    for rank_env in ranks[1:]:
+        start(dict(rank_env, MASTER_PORT=port))
     return port
 
 

@@ -71,6 +71,13 @@ def failure(store) -> tuple[int, str] | None:
     return int(code), line
 
 
+def serve_store(address: str):
+    """A store on a port the OS picks (port 0), held for as long as the returned object lives."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(address, 0, is_master=True, wait_for_workers=False)
+
+
 def client(address: str, port: int, timeout_s: float):
     from torch.distributed import TCPStore
 
@@ -195,12 +202,11 @@ def watch_torchrun_ranks(ranks_per_node: int, timeout_s: float) -> Watchdog:
     agent's store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's
     addresses there (connection refused, or a hang). (srun's tasks have no watchdog yet: a client that connected
     before rank 0's store was up sometimes never beat, 2 runs in 12; see docs/guarantees.md.)"""
-    from torch.distributed import TCPStore
 
     rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
     agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
     key = f"{key_prefix()}/store_port"
-    served = TCPStore(address, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    served = serve_store(address) if rank == 0 else None
     if served is not None:
         agent.set(key, str(served.port))
     port = int(agent.get(key).decode())  # waits for rank 0: the store is up before any client connects
