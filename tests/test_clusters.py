@@ -91,6 +91,19 @@ def test_srun_with_another_task_count_than_devices_is_refused(tmp_path, monkeypa
         prepare(compose_config(["strategy=ddp", "devices=2", "accelerator=cpu"], tmp_path))
 
 
+def test_srun_rank_0_says_when_the_stores_port_is_taken(monkeypatch):
+    # srun's rank 0 serves the run's store at MASTER_PORT (else a port from the job id), which another job on the
+    # node may hold: a line saying what to set, not a traceback while the other tasks wait.
+    from starter.launch.watchdog import serve_store, watch_external_ranks
+
+    taken = serve_store("127.0.0.1")
+    for name, value in slurm_env(2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.port)).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=f"rank 0 cannot serve the run's store at 127.0.0.1:{taken.port} .*; set"
+                       " MASTER_PORT to a free port for every task"):  # fmt: skip
+        watch_external_ranks("slurm", ranks_per_node=2, timeout_s=6)
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     """Make the decisions taken before launch see `n` CUDA GPUs."""

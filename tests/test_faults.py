@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     plant,
     read_metrics,
     run_dirs,
+    slurm_env,
     train,
     wait_for_checkpoint,
     worker_of_rank,
@@ -260,6 +262,19 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
     return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
 
 
+def wait_for_beat(port: int, rank: int) -> None:
+    """Until `rank`'s watchdog has beaten in the run's store (at MASTER_PORT, as every rank finds it)."""
+    from torch.distributed import TCPStore
+
+    from starter.launch.watchdog import KEY
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+    deadline = time.monotonic() + 60
+    while not (store.check([f"{KEY}/beat/{rank}"]) and store.add(f"{KEY}/beat/{rank}", 0)):
+        assert time.monotonic() < deadline, f"rank {rank} never beat"
+        time.sleep(0.2)
+
+
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
     # The data exists on node 0's disk (its working directory holds data/), not on node 1's.
     (tmp_path / "node1").mkdir()
@@ -272,15 +287,29 @@ def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mni
     assert line.startswith("error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false")
 
 
-def test_a_stopped_rank_on_another_node_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(tmp_path):
+@pytest.mark.parametrize("launched_by", ["our launcher on two nodes", "srun"])
+def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, tmp_path):
     # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
-    procs = [start_node(tmp_path, n, port, *long) for n in (0, 1)]
+    if launched_by == "srun":  # one task per rank, each a train.py of its own; no launcher of ours
+        command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
+                   f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long]  # fmt: skip
+        procs = [subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True) for rank in (0, 1)]  # fmt: skip
+        stopped, node = procs[1].pid, 0
+    else:
+        procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    os.kill(worker_of_rank(procs[1], 1), signal.SIGSTOP)  # node 1's
+    wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
+    os.kill(stopped if launched_by == "srun" else worker_of_rank(procs[1], 1), signal.SIGSTOP)
     stopped_at = time.monotonic()
-    codes, ended, lines = exits(procs, timeout=60)
-    # within heartbeat_timeout_s + a heartbeat or two + node 1's launcher's 10 s grace for its stopped worker
-    assert codes == [124, 124] and max(ended) - stopped_at < 6 + 20, (codes, max(ended) - stopped_at)
-    assert lines == ["error: rank 1 (node 1) has not answered for 6 s (killed, stopped, or its node lost); every"
-                     " process of the run stops"]  # fmt: skip
+    watched = procs[:1] if launched_by == "srun" else procs  # a stopped srun task: SLURM ends the step
+    codes, ended, lines = exits(watched, timeout=60)
+    if launched_by == "srun":
+        procs[1].kill()
+        procs[1].wait()
+    # within heartbeat_timeout_s + a heartbeat or two (+ node 1's launcher's 10 s grace for its stopped worker)
+    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 20, (codes, max(ended) - stopped_at)
+    assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
+                     " every process of the run stops"]  # fmt: skip

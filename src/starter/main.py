@@ -12,7 +12,7 @@ from starter.errors import UserError, one_line
 from starter.launch.environment import external_launcher
 from starter.launch.launcher import WorkerFailed, launch_workers, needs_launch
 from starter.launch.run_name import shared_store
-from starter.launch.watchdog import linger_s, report, watch_torchrun_ranks
+from starter.launch.watchdog import linger_s, report, watch_external_ranks
 from starter.preflight import prepare
 from starter.worker import PRELOAD, forked
 
@@ -31,10 +31,10 @@ def main(cfg: DictConfig) -> float | None:
                            linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
             # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
             metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
-        elif external_launcher(layout.world) == "torchrun":  # torchrun's workers: each a rank
+        elif launcher := external_launcher(layout.world):  # torchrun's workers, srun's tasks: each a rank
             from starter.run import run
 
-            watchdog = watch_torchrun_ranks(layout.processes_per_node, cfg.heartbeat_timeout_s)
+            watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s)
             with watchdog.reporting():
                 metrics = run(OmegaConf.load(config_path))
         else:

@@ -16,6 +16,7 @@ line, so the cause is printed once whichever ranks meet it.
 """
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -79,9 +80,23 @@ def serve_store(address: str):
 
 
 def client(address: str, port: int, timeout_s: float):
+    """A client of the store at address:port; raises at once where nothing listens there (a store client would
+    retry for up to twice its timeout, and then connect some seconds after the store is up)."""
     from torch.distributed import TCPStore
 
+    if not listening(address, port):
+        raise ConnectionError(f"no store answers at {address}:{port}")
     return TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def listening(address: str, port: int) -> bool:
+    """Whether a server accepts connections at address:port. (A socket connected to itself, which a local port of
+    the ephemeral range with no listener can give, is not one.)"""
+    try:
+        with socket.create_connection((address, port), timeout=2) as probe:
+            return probe.getsockname() != probe.getpeername()
+    except OSError:
+        return False
 
 
 class Watchdog:
@@ -195,24 +210,46 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
-def watch_torchrun_ranks(ranks_per_node: int, timeout_s: float) -> Watchdog:
-    """The watchdog of torchrun's workers, which each run train.py. Rank 0 serves the run's store from now on, on
-    a port the OS picks, told through torchrun's agent store, and every rank, rank 0 too, is its client in
-    init_process_group (torch's agent-store contract, as under our launcher). A fresh store for each attempt: the
-    agent's store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's
-    addresses there (connection refused, or a hang). (srun's tasks have no watchdog yet: a client that connected
-    before rank 0's store was up sometimes never beat, 2 runs in 12; see docs/guarantees.md.)"""
-
-    rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
-    agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
-    key = f"{key_prefix()}/store_port"
-    served = serve_store(address) if rank == 0 else None
-    if served is not None:
-        agent.set(key, str(served.port))
-    port = int(agent.get(key).decode())  # waits for rank 0: the store is up before any client connects
+def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float) -> Watchdog:
+    """The watchdog of the ranks torchrun or srun started, which each run train.py. Rank 0 serves the run's store
+    from now on and every rank, rank 0 too, is its client in init_process_group (torch's agent-store contract, as
+    under our launcher), so a rank that fails before the process group exists is seen too."""
+    rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, store_holder="rank 0 (node 0)",
                         serves_store=served is not None)  # fmt: skip
     watchdog.served = served  # held for as long as this process runs
     return watchdog
+
+
+def _torchrun_store(timeout_s: float):
+    """On a port the OS picks, told through torchrun's agent store. A fresh store for each attempt: the agent's
+    store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's addresses
+    there (connection refused, or a hang)."""
+    rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
+    agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
+    key = f"{key_prefix()}/store_port"
+    served = serve_store(address) if rank == 0 else None
+    if served is not None:
+        agent.set(key, str(served.port))
+    port = int(agent.get(key).decode())  # waits for rank 0
+    return rank, world, address, port, served
+
+
+def _srun_store(timeout_s: float):
+    """Where Lightning's SLURM environment meets: MASTER_ADDR and MASTER_PORT, else the job's first node and a port
+    from the job id, which every task knows. The other tasks' watchdogs connect once it is up (client())."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from torch.distributed import TCPStore
+
+    slurm = SLURMEnvironment()
+    rank, world, address, port = slurm.global_rank(), slurm.world_size(), slurm.main_address, slurm.main_port
+    if rank != 0:
+        return rank, world, address, port, None
+    try:
+        served = TCPStore(address, port, is_master=True, wait_for_workers=False)
+    except Exception as err:
+        raise UserError(f"rank 0 cannot serve the run's store at {address}:{port} ({one_line(err)}); set MASTER_PORT"
+                        " to a free port for every task") from None  # fmt: skip
+    return rank, world, address, port, served
