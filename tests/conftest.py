@@ -46,6 +46,26 @@ def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
             "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
 
 
+def wait_for_beat(port: int, rank: int, torchrun_id: str | None = None) -> None:
+    """Until `rank`'s watchdog has beaten in the run's store: at MASTER_PORT (our launcher's nodes, srun's tasks), or
+    under torchrun (its run id, first attempt) on the port rank 0 published in torchrun's agent store there."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from starter.launch.watchdog import KEY
+
+    store, prefix = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), KEY
+    if torchrun_id is not None:
+        prefix = f"{KEY}/{torchrun_id}/0"
+        served = int(store.get(f"{prefix}/store_port"))
+        store = TCPStore("127.0.0.1", served, is_master=False, timeout=timedelta(seconds=60))
+    deadline = time.monotonic() + 60
+    while not (store.check([f"{prefix}/beat/{rank}"]) and store.add(f"{prefix}/beat/{rank}", 0)):
+        assert time.monotonic() < deadline, f"rank {rank} never beat"
+        time.sleep(0.2)
+
+
 def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2) -> Path:
     """Wait until last.ckpt holds `epochs` finished epochs (so training is well under way)."""
     import torch

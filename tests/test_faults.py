@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from conftest import (
     run_dirs,
     slurm_env,
     train,
+    wait_for_beat,
     wait_for_checkpoint,
     worker_of_rank,
 )
@@ -260,19 +260,6 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
     assert len(ended) == len(procs), f"still running after {timeout} s: {[p.args[-1] for p in procs]}"
     lines = [line for p in procs for line in p.stderr.read().splitlines() if line.startswith("error:")]
     return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
-
-
-def wait_for_beat(port: int, rank: int) -> None:
-    """Until `rank`'s watchdog has beaten in the run's store (at MASTER_PORT, as every rank finds it)."""
-    from torch.distributed import TCPStore
-
-    from starter.launch.watchdog import KEY
-
-    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
-    deadline = time.monotonic() + 60
-    while not (store.check([f"{KEY}/beat/{rank}"]) and store.add(f"{KEY}/beat/{rank}", 0)):
-        assert time.monotonic() < deadline, f"rank {rank} never beat"
-        time.sleep(0.2)
 
 
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):

@@ -1,15 +1,28 @@
 """Multirun sweeps with multi-process jobs, torchrun and its restarts, and two torchrun "nodes" on one machine."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import QUIET, ROOT, read_metrics, run_dirs, sweep_jobs, train, wait_for_checkpoint, worker_of_rank
+from conftest import (
+    QUIET,
+    ROOT,
+    free_port,
+    read_metrics,
+    run_dirs,
+    sweep_jobs,
+    train,
+    wait_for_beat,
+    wait_for_checkpoint,
+    worker_of_rank,
+)
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -46,6 +59,27 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     restarted, whole = (torch.load(d / "checkpoints" / "model.pt", weights_only=True) for d in (run_dir, reference_dir))
     assert reference.returncode == 0 and restarted.keys() == whole.keys()
     assert max((restarted[k].float() - whole[k].float()).abs().max().item() for k in whole) <= 1e-6
+
+
+def test_a_stopped_torchrun_worker_ends_the_run_within_a_minute_with_a_line_naming_it(tmp_path):
+    # Rank 0's watchdog finds the stopped worker after heartbeat_timeout_s and leaves with 124; torchrun's agent then
+    # ends the group: it gives the stopped worker its own 30 s to leave before SIGKILL, and exits 1 (its code).
+    port = free_port()
+    command = [*TORCHRUN, "--nproc-per-node=2", f"--master-port={port}", "--rdzv-id=stopped", str(ROOT / "train.py"),
+               "strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path, proc, epochs=1)
+    wait_for_beat(port, rank=1, torchrun_id="stopped")
+    os.kill(worker_of_rank(proc, 1), signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    seconds = time.monotonic() - stopped_at
+    assert proc.returncode == 1 and seconds < 60, (proc.returncode, seconds, err[-3000:])
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == ["error: rank 1 (node 0) has not answered for 6 s (killed, stopped, or its node lost); every"
+                     " process of the run stops"]  # fmt: skip
+    assert re.search(r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 124", err)  # torchrun's summary: the watchdog's exit
 
 
 def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
