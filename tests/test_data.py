@@ -1,5 +1,6 @@
 """Each DataModule against small data written here; sharding and batch-size semantics."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,25 @@ def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations
         _auto_add_worker_init_fn(loader, global_rank)
         drawn.append(torch.cat([images for images, _ in batches(loader)]))
     assert torch.equal(drawn[0], drawn[1])
+
+
+class ParentOfTheWorker(torch.utils.data.Dataset):
+    """Each item: the process id of the parent of the loader worker that read it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return torch.tensor(os.getppid()), index % 2
+
+
+def test_loader_workers_are_not_forks_of_the_training_process():
+    # A fork copies the training process's threads (gloo's, the store's, the watchdog's, pyarrow's jemalloc thread)
+    # at an arbitrary instant: a lock one of them held stays held in the worker. One fork server starts them all.
+    dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 1, 0)
+    dm.train_set = ParentOfTheWorker()
+    parents = {int(pid) for pids, _ in batches(dm.train_dataloader()) for pid in pids}
+    assert len(parents) == 1 and parents != {os.getpid()}
 
 
 def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():

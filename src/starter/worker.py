@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.launch.launcher import SERVER_IGNORES, join_rendezvous
+from starter.fork_server import SERVER_IGNORES
+from starter.launch.launcher import join_rendezvous
 from starter.launch.watchdog import Watchdog
 
 # What the launcher's fork server imports once, before it forks any worker: torch and Lightning; none of it asks
@@ -25,7 +26,7 @@ def forked(env: dict, config_path: str, port_to=None) -> None:
     """A worker forked by the launcher's fork server, which has imported torch and Lightning already."""
     for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
         signal.signal(signum, signal.SIG_DFL)
-    multiprocessing.set_start_method(None, force=True)  # loader workers: the platform's way, not the server's
+    multiprocessing.set_start_method(None, force=True)  # what else it starts: the platform's way, not the server's
     os.environ.clear()
     os.environ.update(env)
     sys.exit(main(config_path, port_to))

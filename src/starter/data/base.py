@@ -6,7 +6,8 @@ union of the ranks' batches at step k is exactly the single-process batch k: cha
 change the optimisation. Evaluation splits the data without padding (UnrepeatedDistributedSampler), so no
 sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
 sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
-A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py).
+A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py). Loader workers start
+from a fork server that imported this data module once (fork_server.py), not as forks of the training process.
 
 Images travel as uint8 (a quarter of float32's bytes through the loader's queues and to the GPU) and are
 normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
@@ -23,6 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.errors import UserError
+from starter.fork_server import fork_server
 from starter.topology import per_process_batch
 
 
@@ -83,7 +85,9 @@ class ShardedDataModule(L.LightningDataModule):
         if self.num_workers:  # workers seeded by the data-parallel place, not the global rank (Lightning's choice):
             # the processes of one tensor-parallel group or pipeline must draw the same augmentations
             options |= dict(generator=torch.Generator().manual_seed(self.seed),
-                            worker_init_fn=partial(pl_worker_init_function, rank=rank))  # fmt: skip
+                            worker_init_fn=partial(pl_worker_init_function, rank=rank),
+                            # forked from this process's fork server, never from this threaded process
+                            multiprocessing_context=fork_server((type(self).__module__,)))  # fmt: skip
         if split == "train":
             if self.ra_reps > 0:
                 sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)

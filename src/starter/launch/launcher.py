@@ -19,27 +19,23 @@ other ranks start with it. This process never imports torch (the fork server doe
 """
 
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import signal
 import time
 from collections.abc import Callable
-from functools import cache
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from starter.errors import PREEMPTED_EXIT_CODE
+from starter.fork_server import fork_server
 from starter.launch.environment import external_launcher
 from starter.launch.run_name import shared_store
 from starter.launch.watchdog import failure, report, serve_store, where
 from starter.topology import Layout
 from starter.traits import Traits
 
-# The scheduler's signals go to every process of a job: the fork server ignores them (its workers, each the
-# server's child, act on them); a server they ended would leave the workers unseen by this process.
-SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -89,7 +85,7 @@ def launch_workers(
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
     procs: list[BaseProcess] = []
     received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
-    server = _fork_server(preload)
+    server = fork_server(preload)
 
     def start(env: dict, port_to=None) -> None:
         process = server.Process(target=entry, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
@@ -127,19 +123,6 @@ def launch_workers(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _stop(procs, grace_s)
-
-
-@cache
-def _fork_server(preload: tuple[str, ...]):
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))
-    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    return context
 
 
 def _start_with_held_port(start: Callable, ranks: list[dict]) -> str | None:
