@@ -103,7 +103,6 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight
     strategy, workers, stop, straight, tmp_path
 ):
     # Loader workers fetch ahead of training; persistent ones (as image folders have them) also outlive an epoch.
-    # (Persistent: fewer forks of a threaded process, each of which can hang a worker on a lock a thread held.)
     loader = [f"data.num_workers={workers}", *(["+data.persistent_workers=true"] if workers else [])]
     again = [*RESUME, *ranks(strategy), *loader, f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
     stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
