@@ -88,7 +88,8 @@ def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_check
     killed_at = time.monotonic()
     proc.wait(timeout=60)
     seconds = time.monotonic() - killed_at
-    assert proc.returncode == 137 and seconds < 60, (proc.returncode, seconds)  # 128 + SIGKILL, as a shell says
+    # 128 + SIGKILL, as a shell says; the stopped rank 0 killed at once, not after the 10 s grace a live one gets
+    assert proc.returncode == 137 and seconds < 8, (proc.returncode, seconds)
     lines = [line for line in proc.stderr.read().splitlines() if line.startswith("error:")]
     assert lines == ["error: rank 1 (node 0) was killed by SIGKILL; every process of the run stops"]
     epoch = torch.load(last, weights_only=True)["epoch"]  # whole, loadable
@@ -296,7 +297,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     if launched_by == "srun":
         procs[1].kill()
         procs[1].wait()
-    # within heartbeat_timeout_s + a heartbeat or two (+ node 1's launcher's 10 s grace for its stopped worker)
-    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 20, (codes, max(ended) - stopped_at)
+    # within heartbeat_timeout_s + a heartbeat or two (node 1's launcher kills its stopped worker at once)
+    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at)
     assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
                      " every process of the run stops"]  # fmt: skip

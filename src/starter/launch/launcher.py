@@ -218,9 +218,10 @@ def _reported(store):
 
 
 def _stop(procs: list[BaseProcess], grace_s: float) -> None:
+    """SIGTERM, and `grace_s` to leave; a stopped worker (SIGSTOP, a hung node's) cannot act on it: killed at once."""
     for p in procs:
         if p.exitcode is None:
-            _signal(p, signal.SIGTERM)
+            _signal(p, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
