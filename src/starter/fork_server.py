@@ -5,7 +5,8 @@ from itself. A fork of the asking process would copy its threads' state at an ar
 the watchdog's, an allocator's background thread: pyarrow's jemalloc runs one wherever pandas is imported), and a lock
 one of them held would be held in the child forever. Our launcher starts its workers here, and every training process
 its data loaders' workers. Preloaded, a server forks as fast as fork does (a loader's 2 workers ready in 0.05 s);
-without, each new process imports torch itself (1.7 s per loader iterator, 5 s with Lightning).
+without, each new process imports torch itself (1.7 s per loader iterator; about 5 s where the dataset's module
+imports Lightning: the stall that kept loaders on fork before).
 
 A process's server starts once, with the preload of its first caller. It ignores the scheduler's signals: a scheduler
 signals every process of a job, and a server they ended could no longer report its children's exits. What it starts
