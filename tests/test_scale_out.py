@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -83,9 +82,7 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_a_minute_with_a_line_nami
 
 
 def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     nodes = [
         subprocess.Popen(
             [

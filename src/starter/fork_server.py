@@ -26,7 +26,7 @@ SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 def fork_server(preload: tuple[str, ...]):
     """The multiprocessing context whose processes this process's fork server forks; started on the first call."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", *preload])  # the main script too, else each process imports it
+    context.set_forkserver_preload(list(preload))
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
     try:
         multiprocessing.forkserver.ensure_running()

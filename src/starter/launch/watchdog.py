@@ -72,11 +72,11 @@ def failure(store) -> tuple[int, str] | None:
     return int(code), line
 
 
-def serve_store(address: str):
-    """A store on a port the OS picks (port 0), held for as long as the returned object lives."""
+def serve_store(address: str, port: int = 0):
+    """A store at `port` (0: one the OS picks), held for as long as the returned object lives."""
     from torch.distributed import TCPStore
 
-    return TCPStore(address, 0, is_master=True, wait_for_workers=False)
+    return TCPStore(address, port, is_master=True, wait_for_workers=False)
 
 
 def client(address: str, port: int, timeout_s: float):
@@ -241,14 +241,13 @@ def _srun_store(timeout_s: float):
     """Where Lightning's SLURM environment meets: MASTER_ADDR and MASTER_PORT, else the job's first node and a port
     from the job id, which every task knows. The other tasks' watchdogs connect once it is up (client())."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
-    from torch.distributed import TCPStore
 
     slurm = SLURMEnvironment()
     rank, world, address, port = slurm.global_rank(), slurm.world_size(), slurm.main_address, slurm.main_port
     if rank != 0:
         return rank, world, address, port, None
     try:
-        served = TCPStore(address, port, is_master=True, wait_for_workers=False)
+        served = serve_store(address, port)
     except Exception as err:
         raise UserError(f"rank 0 cannot serve the run's store at {address}:{port} ({one_line(err)}); set MASTER_PORT"
                         " to a free port for every task") from None  # fmt: skip
