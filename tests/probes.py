@@ -4,9 +4,14 @@ because the tests put this folder on PYTHONPATH."""
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import lightning as L
+from torch.utils.data import Dataset
+
+from starter.data.digits import DigitsDataModule
+from starter.data.in_memory import TensorPairs
 
 
 class SigtermAtStep(L.Callback):
@@ -171,3 +176,34 @@ class RecordProcess(L.Callback):
         process = {"name": Path("/proc/self/comm").read_text().strip(), "threads": torch.get_num_threads(),
                    "start_method": multiprocessing.get_start_method(), "RANK": os.environ.get("RANK")}  # fmt: skip
         (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(process))
+
+
+class HangingDigits(DigitsDataModule):
+    """Digits whose training loader, on rank `rank`, waits forever at its `fetch`-th batch (as a loader deadlocked on
+    a lock would), while the process's other threads run on; touches `marker` when it begins to wait."""
+
+    def __init__(self, rank: int, fetch: int, marker: str, **kwargs):
+        super().__init__(**kwargs)
+        self.hanging_rank, self.fetch, self.marker = rank, fetch, Path(marker)
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if self.trainer.global_rank == self.hanging_rank:
+            self.train_set = HangsAtFetch(self.train_set, self.fetch, self.marker)
+
+
+class HangsAtFetch(Dataset):
+    def __init__(self, inner: TensorPairs, fetch: int, marker: Path):
+        self.inner, self.fetch, self.marker, self.fetched = inner, fetch, marker, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitems__(self, indices: list[int]):
+        self.fetched += 1
+        if self.fetched == self.fetch:
+            self.marker.touch()
+            threading.Event().wait()
+        return self.inner.__getitems__(indices)
+
+    collate_fn = staticmethod(TensorPairs.collate_fn)

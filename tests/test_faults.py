@@ -25,6 +25,7 @@ from conftest import (
     train,
     wait_for_beat,
     wait_for_checkpoint,
+    with_env,
     worker_of_rank,
 )
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
@@ -70,9 +71,10 @@ def test_sigkill_during_saving_leaves_a_whole_checkpoint(delay, tmp_path):
     assert torch.equal(checkpoint["w"], torch.full((4_000_000,), float(checkpoint["version"])))
 
 
-def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+def start(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(overrides)]
-    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=with_env(env))  # fmt: skip
 
 
 LONG_DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000"]
@@ -301,3 +303,33 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at)
     assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
                      " every process of the run stops"]  # fmt: skip
+
+
+def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):
+    # Its main thread waits in the data set while its threads live on, so it answers every heartbeat; rank 0 waits for
+    # it in the step's collective. Rank 0's watchdog sees no rank pass a batch boundary for stall_timeout_s, rank 1
+    # behind the others, and where rank 1's main thread is.
+    marker = tmp_path / "waiting"
+    proc = start(tmp_path, "strategy=ddp", "devices=2", "accelerator=cpu", "debug=limit", "stall_timeout_s=4",
+                 "heartbeat_timeout_s=8", "data._target_=probes.HangingDigits", "+data.rank=1", "+data.fetch=4",
+                 f"+data.marker={marker}", env=PROBES)  # fmt: skip
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.1)
+    waiting_since = time.monotonic()
+    codes, ended, lines = exits([proc], timeout=60)
+    # stall_timeout_s + two beats (2 s each with heartbeat_timeout_s=8), rank 0 staying to be read, the launcher
+    assert codes == [124] and ended[0] - waiting_since < 4 + 12, (codes, ended[0] - waiting_since)
+    at = f"__getitems__ ({PROBES_FILE}:{_line_of('threading.Event().wait()')})"
+    assert lines == [f"error: rank 1 (node 0) in {at} has made no progress for 4 s while the others wait; every"
+                     " process of the run stops (raise stall_timeout_s if a step or a checkpoint save takes"
+                     " longer)"]  # fmt: skip
+
+
+PROBES_FILE = ROOT / "tests" / "probes.py"  # outside the run's working directory: named in full
+
+
+def _line_of(code: str) -> int:
+    """The line of tests/probes.py that holds `code`."""
+    (number,) = [i for i, line in enumerate(PROBES_FILE.read_text().splitlines(), 1) if code in line]
+    return number

@@ -11,7 +11,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "starter"
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "logging_step", "fork_server"},
+    {"errors", "logging_step", "fork_server", "progress_count"},
     {"traits", "topology", "loggers", "checkpointing", "models", "callbacks"},
     {"data", "launch"},
     {"strategies"},
@@ -27,7 +27,9 @@ def imports() -> dict[str, set[str]]:
         name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("starter"):
+            if isinstance(node, ast.ImportFrom) and node.module == "starter":  # from starter import a_module
+                found |= {f"starter.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("starter"):
                 found.add(node.module)
             elif isinstance(node, ast.Import):
                 found |= {alias.name for alias in node.names if alias.name.startswith("starter")}

@@ -34,7 +34,8 @@ def main(cfg: DictConfig) -> float | None:
         elif launcher := external_launcher(layout.world):  # torchrun's workers, srun's tasks: each a rank
             from starter.run import run
 
-            watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s)
+            watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s,
+                                            cfg.stall_timeout_s)  # fmt: skip
             with watchdog.reporting():
                 metrics = run(OmegaConf.load(config_path))
         else:

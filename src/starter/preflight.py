@@ -28,8 +28,9 @@ def prepare(cfg: DictConfig) -> Layout:
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     _check_stop_signals(cfg)
-    if not float(cfg.heartbeat_timeout_s) > 0:
-        raise UserError(f"heartbeat_timeout_s={cfg.heartbeat_timeout_s}: give seconds above 0 (default 120)")
+    for key, default in (("heartbeat_timeout_s", 120), ("stall_timeout_s", 600)):
+        if not float(cfg[key]) > 0:
+            raise UserError(f"{key}={cfg[key]}: give seconds above 0 (default {default})")
     _settle_accelerator_and_devices(cfg)
     _settle_num_classes(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:

@@ -54,8 +54,8 @@ def main(config_path: str, port_to=None) -> int:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     holder = "rank 0 (node 0)" if int(cfg.num_nodes) == 1 else "node 0's train.py"
     address, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
-    watchdog = Watchdog(address, port, rank, world, per_node, cfg.heartbeat_timeout_s, store_holder=holder,
-                        serves_store=store is not None)  # fmt: skip
+    watchdog = Watchdog(address, port, rank, world, per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s,
+                        store_holder=holder, serves_store=store is not None)  # fmt: skip
     with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code
         run(cfg)
     return 0

@@ -11,6 +11,12 @@ process runs a `Watchdog`: a daemon thread, a client of that store, which every 
 A store that does not answer for `timeout_s` (the process or node serving it gone or stopped) ends this process
 with a line saying so: a second thread keeps that time, since a stopped server never fails a request.
 
+A process can answer every beat while its main thread waits forever (deadlocked in its data loader or its own
+code; its peers wait for it in a collective). So each beat also says how far the main thread has got
+(progress_count.py: batch boundaries passed, counted by callbacks/batch_ticks.py, and where it is when that count
+has not moved), and rank 0 ends the run once every rank is inside a loop and no rank has moved for
+`stall_timeout_s`, naming the ranks that are behind the others.
+
 `report(...)`: a process (or a node's launcher) that meets an error writes `failed`; the first writer prints its
 line, so the cause is printed once whichever ranks meet it.
 """
@@ -18,12 +24,14 @@ line, so the cause is printed once whichever ranks meet it.
 import os
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
+from starter import progress_count
 from starter.errors import UserError, one_line
 
 LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
@@ -101,10 +109,12 @@ def listening(address: str, port: int) -> bool:
 
 class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
-                 store_holder: str, serves_store: bool = False):  # fmt: skip
+                 stall_timeout_s: float, store_holder: str, serves_store: bool = False):  # fmt: skip
         """`store_holder`: who serves the store, for the line said when it stops answering."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
+        self.stall = Stall(float(stall_timeout_s), ranks_per_node) if rank == 0 else None
+        self.boundaries = -1  # the main thread's count at the last beat
         self.store_holder = store_holder
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
@@ -170,9 +180,13 @@ class Watchdog:
             try:
                 store = store or client(self.address, self.port, self.timeout_s)
                 store.add(f"{prefix}/beat/{self.rank}", 1)
+                store.set(f"{prefix}/progress/{self.rank}", self._progress())
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()
+                if self.stall and (line := self.stall.check(read_progress(store, prefix, self.world), now)):
+                    report(store, LOST_EXIT_CODE, line)
+                    self._leave(failure(store)[0])
                 for rank in watched:
                     counter = store.add(f"{prefix}/beat/{rank}", 0)
                     # a rank not yet started (imports, a slow node) gets STARTUP_S at least
@@ -187,6 +201,13 @@ class Watchdog:
                 self.answered, self.ever_answered = time.monotonic(), True
             except Exception:  # the store unreachable: retried; the timer ends this process if it stays so
                 store = None
+
+    def _progress(self) -> str:
+        """'boundaries|loops|where the main thread is' (where: when the count has not moved since the last beat)."""
+        boundaries, loops = progress_count.boundaries, progress_count.loops
+        at = main_thread_at() if boundaries == self.boundaries else ""
+        self.boundaries = boundaries
+        return f"{boundaries}|{loops}|{at}"
 
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
@@ -210,15 +231,88 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
-def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float) -> Watchdog:
+def read_progress(store, prefix: str, world: int) -> dict[int, tuple[int, int, str]] | None:
+    """{rank: (boundaries, loops, where)} of every rank, or None before every rank has said it once."""
+    keys = [f"{prefix}/progress/{rank}" for rank in range(world)]
+    if not store.check(keys):
+        return None
+    found = {}
+    for rank, value in enumerate(store.multi_get(keys)):
+        boundaries, loops, at = value.decode().split("|", 2)
+        found[rank] = (int(boundaries), int(loops), at)
+    return found
+
+
+class Stall:
+    """Rank 0's judge of the ranks' progress: a line naming whom the run waits for, once every rank is inside a loop
+    and no rank's count has moved for `timeout_s`. Outside loops (setting up, saving the final weights, exporting)
+    a process may legitimately work alone for long: the clock starts again."""
+
+    SHOWN = 4  # ranks named in the line at most
+    ENDS = "every process of the run stops (raise stall_timeout_s if a step or a checkpoint save takes longer)"
+
+    def __init__(self, timeout_s: float, ranks_per_node: int):
+        self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
+        self.counts, self.since = None, time.monotonic()
+
+    def check(self, progress: dict[int, tuple[int, int, str]] | None, now: float) -> str | None:
+        if progress is None:
+            return None
+        counts = {rank: boundaries for rank, (boundaries, _, _) in progress.items()}
+        if counts != self.counts or not all(loops > 0 for _, loops, _ in progress.values()):
+            self.counts, self.since = counts, now
+            return None
+        if now - self.since <= self.timeout_s:
+            return None
+        return self.line(progress)
+
+    def line(self, progress: dict[int, tuple[int, int, str]]) -> str:
+        least, most = min(self.counts.values()), max(self.counts.values())
+        behind = [rank for rank, count in self.counts.items() if count == least] if least < most else []
+        named = behind or list(progress)
+        shown = ", ".join(f"{where(rank, self.ranks_per_node)} in {progress[rank][2] or '?'}"
+                          for rank in named[: self.SHOWN])  # fmt: skip
+        if len(named) > self.SHOWN:
+            shown += f" and {len(named) - self.SHOWN} more"
+        seconds = f"{self.timeout_s:.0f} s"
+        if behind:
+            who = (
+                f"{shown} {'has' if len(behind) == 1 else 'have'} made no progress for {seconds} while the others wait"
+            )
+        else:
+            who = f"no rank has made progress for {seconds} (a deadlock: {shown})"
+        return f"{who}; {self.ENDS}"
+
+
+def main_thread_at() -> str:
+    """Where the main thread is: its innermost frame outside Python's own library, as 'function (file:line)'."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    paths = sysconfig.get_paths()
+    packages = (paths["purelib"], paths["platlib"])
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not (file.startswith("<") or file.startswith(paths["stdlib"]) and not file.startswith(packages)):
+            return f"{frame.f_code.co_name} ({_short(file)}:{frame.f_lineno})"
+        frame = frame.f_back
+    return ""
+
+
+def _short(file: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in file:
+            return file.split(marker, 1)[1]
+    return os.path.relpath(file) if file.startswith(os.getcwd() + os.sep) else file
+
+
+def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, stall_timeout_s: float) -> Watchdog:
     """The watchdog of the ranks torchrun or srun started, which each run train.py. Rank 0 serves the run's store
     from now on and every rank, rank 0 too, is its client in init_process_group (torch's agent-store contract, as
     under our launcher), so a rank that fails before the process group exists is seen too."""
     rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, store_holder="rank 0 (node 0)",
-                        serves_store=served is not None)  # fmt: skip
+    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
+                        store_holder="rank 0 (node 0)", serves_store=served is not None)  # fmt: skip
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 
