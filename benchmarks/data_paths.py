@@ -59,7 +59,8 @@ def decoders() -> dict:
     from PIL import Image
     from torchvision.transforms import v2
 
-    from starter.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, imagenet_transforms, load_image
+    from starter.data.image_files import load_image
+    from starter.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, imagenet_transforms
 
     crop = [v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]
     before = v2.Compose(

@@ -81,23 +81,39 @@ def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations
     assert torch.equal(drawn[0], drawn[1])
 
 
+def test_loader_workers_of_two_places_or_two_ids_draw_differently():
+    drawn = {}
+    for place in (0, 1):
+        dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 2, place)
+        dm.train_set = RandomCrops()
+        drawn[place] = [images for images, _ in batches(dm.train_dataloader())]
+    # each worker reads every other batch: batches 0 and 1 come from workers 0 and 1
+    assert not torch.equal(drawn[0][0], drawn[1][0]) and not torch.equal(drawn[0][0], drawn[0][1])
+
+
+IMPORTED_BY = os.getpid()  # the process that imported this module
+
+
 class ParentOfTheWorker(torch.utils.data.Dataset):
-    """Each item: the process id of the parent of the loader worker that read it."""
+    """Each item: the process id of the parent of the loader worker that read it, and of the process that imported
+    this module (the data set's) there."""
 
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, index: int):
-        return torch.tensor(os.getppid()), index % 2
+        return torch.tensor([os.getppid(), IMPORTED_BY]), index % 2
 
 
-def test_loader_workers_are_not_forks_of_the_training_process():
+def test_loader_workers_are_forks_of_a_server_that_imported_the_data_set_not_of_the_training_process():
     # A fork copies the training process's threads (gloo's, the store's, the watchdog's, pyarrow's jemalloc thread)
-    # at an arbitrary instant: a lock one of them held stays held in the worker. One fork server starts them all.
+    # at an arbitrary instant: a lock one of them held stays held in the worker. One fork server starts them all,
+    # and imports the data set's module once (here from tests/, on this process's sys.path only), not each worker.
     dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 1, 0)
     dm.train_set = ParentOfTheWorker()
-    parents = {int(pid) for pids, _ in batches(dm.train_dataloader()) for pid in pids}
-    assert len(parents) == 1 and parents != {os.getpid()}
+    found = {tuple(map(int, pair)) for pairs, _ in batches(dm.train_dataloader()) for pair in pairs}
+    ((parent, importer),) = found
+    assert parent != os.getpid() and importer == parent
 
 
 def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():

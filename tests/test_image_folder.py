@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 from conftest import as_rank, compose_config, read_metrics, run_dirs, train
-from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms, load_image
+from starter.data.image_files import load_image
+from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
 from starter.data.imagenet_archives import prepare as prepare_archives
 from starter.errors import UserError
 from starter.preflight import prepare

@@ -16,7 +16,10 @@ when their training process shuts its loaders down (or, with it gone, when their
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import signal
+import sys
+from contextlib import contextmanager
 from functools import cache
 
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -29,8 +32,26 @@ def fork_server(preload: tuple[str, ...]):
     context.set_forkserver_preload(list(preload))
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
     try:
-        multiprocessing.forkserver.ensure_running()
+        with _python_path(sys.path):
+            multiprocessing.forkserver.ensure_running()
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     return context
+
+
+@contextmanager
+def _python_path(path: list[str]):
+    """PYTHONPATH for a process started inside the block. A server of Python 3.10 or 3.11 (3.12 before 3.12.8) is
+    given this process's sys.path and does not apply it (CPython gh-117378, whose fix names this workaround): a module
+    found only there (a data set in tests/, or beside a script run from elsewhere) fails its preload in silence, and
+    then every worker imports it, and all it imports, itself (3 s per loader iterator where that was Lightning)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in path if entry)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before

@@ -7,7 +7,8 @@ change the optimisation. Evaluation splits the data without padding (UnrepeatedD
 sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
 sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
 A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py). Loader workers start
-from a fork server that imported this data module once (fork_server.py), not as forks of the training process.
+from a fork server that imported the data set's module once (fork_server.py), not as forks of the training process:
+data sets live in modules that import torch, not Lightning (in_memory.py, image_files.py), for a lighter server.
 
 Images travel as uint8 (a quarter of float32's bytes through the loader's queues and to the GPU) and are
 normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
@@ -17,12 +18,12 @@ from functools import partial
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
 from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
+from starter.data.worker_seed import seed_worker
 from starter.errors import UserError
 from starter.fork_server import fork_server
 from starter.topology import per_process_batch
@@ -82,12 +83,12 @@ class ShardedDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory and self._feeds_cuda(),
             persistent_workers=self.persistent_workers,
         )
-        if self.num_workers:  # workers seeded by the data-parallel place, not the global rank (Lightning's choice):
-            # the processes of one tensor-parallel group or pipeline must draw the same augmentations
+        if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
+            # process's fork server, never from this threaded process; it imports what the workers unpickle
+            unpickled_from = (type(dataset).__module__, seed_worker.__module__)
             options |= dict(generator=torch.Generator().manual_seed(self.seed),
-                            worker_init_fn=partial(pl_worker_init_function, rank=rank),
-                            # forked from this process's fork server, never from this threaded process
-                            multiprocessing_context=fork_server((type(self).__module__,)))  # fmt: skip
+                            worker_init_fn=partial(seed_worker, rank=rank),
+                            multiprocessing_context=fork_server(unpickled_from))  # fmt: skip
         if split == "train":
             if self.ra_reps > 0:
                 sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)

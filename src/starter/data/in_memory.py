@@ -1,4 +1,5 @@
-"""A data set held as two tensors, fetched a batch at a time: one indexing op per batch instead of one per item."""
+"""Data sets held as tensors, fetched a batch at a time: one indexing op per batch instead of one per item. torch
+only: loader workers unpickle them in a fork server that imports this module, not Lightning."""
 
 import torch
 from torch.utils.data import Dataset
@@ -19,6 +20,32 @@ class TensorPairs(Dataset):
     def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch (torch >= 2.0)
         index = torch.as_tensor(indices)
         return self.images[index], self.labels[index]
+
+    @staticmethod
+    def collate_fn(batch):
+        """__getitems__ already returns the batch."""
+        return batch
+
+
+class RandomImages(Dataset):
+    def __init__(self, length: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 256):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
+        self.labels = torch.randint(num_classes, (length,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.images[index % len(self.images)], self.labels[index]
+
+    def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch
+        index = torch.as_tensor(indices)
+        if self.indices_only:
+            return index % len(self.images), self.labels[index]
+        return self.images[index % len(self.images)], self.labels[index]
+
+    indices_only = False  # yield pool indices for SyntheticDataModule.transfer_batch_to_device to gather
 
     @staticmethod
     def collate_fn(batch):

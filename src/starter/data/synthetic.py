@@ -8,35 +8,9 @@ the device, so neither the loader nor the host-to-device copy can be what a thro
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import Dataset
 
 from starter.data.base import ShardedDataModule
-
-
-class RandomImages(Dataset):
-    def __init__(self, length: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 256):
-        generator = torch.Generator().manual_seed(seed)
-        self.images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
-        self.labels = torch.randint(num_classes, (length,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        return self.images[index % len(self.images)], self.labels[index]
-
-    def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch
-        index = torch.as_tensor(indices)
-        if self.indices_only:
-            return index % len(self.images), self.labels[index]
-        return self.images[index % len(self.images)], self.labels[index]
-
-    indices_only = False  # yield pool indices for SyntheticDataModule.transfer_batch_to_device to gather
-
-    @staticmethod
-    def collate_fn(batch):
-        """__getitems__ already returns the batch."""
-        return batch
+from starter.data.in_memory import RandomImages
 
 
 class SyntheticDataModule(ShardedDataModule):
