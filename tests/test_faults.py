@@ -29,6 +29,7 @@ from conftest import (
     worker_of_rank,
 )
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
+from starter.launch.watchdog import gone
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_
 SAVE_FOREVER = """
 import sys, torch
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
+from starter.launch.watchdog import gone
 io, i = AtomicCheckpointIO(), 0
 while True:
     io.save_checkpoint({"version": i, "w": torch.full((4_000_000,), float(i))}, sys.argv[1])
@@ -143,6 +145,24 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", err)  # rank 0's line
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
+
+
+def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_stop(tmp_path):
+    # A SIGKILLed launcher (kill -9, the OOM killer) can neither forward a signal nor collect its workers, which
+    # would train on with nobody to stop them: each sees it gone and stops as on SIGTERM, every rank at one step.
+    proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=8")
+    last = wait_for_checkpoint(tmp_path, proc, epochs=1)
+    before = torch.load(last, weights_only=True)["global_step"]
+    workers = [worker_of_rank(proc, rank) for rank in (0, 1)]
+    proc.kill()
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=60)  # the workers write to the same stderr: read until the last has closed it
+    assert time.monotonic() - killed_at < 30 and all(gone(pid) for pid in workers)
+    said = f"error: node 0's launcher (train.py, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt and" \
+           " stop"  # fmt: skip
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [said]  # once, by local rank 0
+    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", err)  # rank 0's line
+    assert torch.load(last, weights_only=True)["global_step"] == int(stopped_at) > before
 
 
 def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):

@@ -75,6 +75,7 @@ def launch_workers(
         NODE_RANK=str(node_rank),
         WORLD_SIZE=str(layout.world),
         LOCAL_WORLD_SIZE=str(devices),
+        STARTER_LAUNCHER_PID=str(os.getpid()),  # each worker watches this process (launch/watchdog.py)
         # as torchrun: the cores shared out, not every worker running a thread per core of the machine
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )

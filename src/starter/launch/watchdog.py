@@ -17,11 +17,15 @@ code; its peers wait for it in a collective). So each beat also says how far the
 has not moved), and rank 0 ends the run once every rank is inside a loop and no rank has moved for
 `stall_timeout_s`, naming the ranks that are behind the others.
 
+A worker of our launcher also watches its launcher: one killed (SIGKILL, the OOM killer) leaves its workers with
+nobody to forward a signal or collect their exit; they then stop as on a stop signal, saving last.ckpt.
+
 `report(...)`: a process (or a node's launcher) that meets an error writes `failed`; the first writer prints its
 line, so the cause is printed once whichever ranks meet it.
 """
 
 import os
+import signal
 import socket
 import sys
 import sysconfig
@@ -30,6 +34,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from starter import progress_count
 from starter.errors import UserError, one_line
@@ -109,12 +114,15 @@ def listening(address: str, port: int) -> bool:
 
 class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
-                 stall_timeout_s: float, store_holder: str, serves_store: bool = False):  # fmt: skip
-        """`store_holder`: who serves the store, for the line said when it stops answering."""
+                 stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
+                 stop_signal: int = signal.SIGTERM):  # fmt: skip
+        """`store_holder`: who serves the store, for the line said when it stops answering. `launcher_pid`: the
+        process that started this one (our launcher), which it outlives only to save and stop (`stop_signal`)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall = Stall(float(stall_timeout_s), ranks_per_node) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
+        self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.store_holder = store_holder
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
@@ -177,6 +185,8 @@ class Watchdog:
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
         store = None
         while not self.stopping.wait(self.interval):
+            if self.launcher_pid and gone(self.launcher_pid):
+                self._outlive_the_launcher()
             try:
                 store = store or client(self.address, self.port, self.timeout_s)
                 store.add(f"{prefix}/beat/{self.rank}", 1)
@@ -209,6 +219,16 @@ class Watchdog:
         self.boundaries = boundaries
         return f"{boundaries}|{loops}|{at}"
 
+    def _outlive_the_launcher(self) -> None:
+        """Stop as a scheduler's stop signal would have this process: save last.ckpt at the next logging step (all
+        ranks of every node agree on it) and exit 143."""
+        if self.rank % self.ranks_per_node == 0:
+            node = self.rank // self.ranks_per_node
+            print(f"error: node {node}'s launcher (train.py, pid {self.launcher_pid}) is gone; its workers save"
+                  " checkpoints/last.ckpt and stop", file=sys.stderr, flush=True)  # fmt: skip
+        self.launcher_pid = None
+        os.kill(os.getpid(), self.stop_signal)
+
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
             allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
@@ -229,6 +249,20 @@ class Watchdog:
     def _linger(self) -> None:
         if self.serves_store:
             time.sleep(linger_s(self.timeout_s))
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (exited, or a zombie that its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False  # no /proc (macOS): alive, as os.kill said
 
 
 def read_progress(store, prefix: str, world: int) -> dict[int, tuple[int, int, str]] | None:
