@@ -297,9 +297,11 @@ def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mni
     assert line.startswith("error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false")
 
 
-@pytest.mark.parametrize("launched_by", ["our launcher on two nodes", "srun"])
-def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, tmp_path):
-    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it.
+@pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
+                                               ("srun", "SIGKILL")])  # fmt: skip
+def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):
+    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it. An srun
+    # task a signal killed has no launcher of ours to say so: rank 0 finds it the same way.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
     if launched_by == "srun":  # one task per rank, each a train.py of its own; no launcher of ours
         command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
@@ -312,7 +314,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
         procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
     wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
-    os.kill(stopped if launched_by == "srun" else worker_of_rank(procs[1], 1), signal.SIGSTOP)
+    os.kill(stopped if launched_by == "srun" else worker_of_rank(procs[1], 1), signal.Signals[fault])
     stopped_at = time.monotonic()
     watched = procs[:1] if launched_by == "srun" else procs  # a stopped srun task: SLURM ends the step
     codes, ended, lines = exits(watched, timeout=60)
@@ -320,7 +322,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
         procs[1].kill()
         procs[1].wait()
     # within heartbeat_timeout_s + a heartbeat or two (node 1's launcher kills its stopped worker at once)
-    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at)
+    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at, lines)
     assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
                      " every process of the run stops"]  # fmt: skip
 

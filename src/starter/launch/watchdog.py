@@ -152,7 +152,7 @@ class Watchdog:
         except Exception as err:
             # A broken collective is seldom the cause: a peer's failure is, reported by the peer or, for a peer a
             # signal ended, by its launcher; a store gone with its holder (rank 0 killed) is said by the launcher.
-            if found := self.failure(wait_s=5):
+            if found := self.failure(wait_s=5) or self._peer_lost():
                 raise SystemExit(found[0]) from None
             traceback.print_exc()
             self.report(1, f"{type(err).__name__}: {one_line(err)}")
@@ -175,6 +175,26 @@ class Watchdog:
             if time.monotonic() >= deadline:
                 return None if reached or not wait_s else (1, "the run's store is gone")
             time.sleep(0.2)
+
+    def _peer_lost(self) -> tuple[int, str] | None:
+        """After an exception that no process has reported: wait until every other rank beats once more (then the
+        exception is this process's own: None) or a failure is reported. A peer that died without a word (an srun
+        task a signal killed: no launcher of ours to say it) never beats again, and the watchdogs name it after
+        `timeout_s`, here or from rank 0; meanwhile this rank does not blame the collective that peer broke."""
+        try:
+            store = client(self.address, self.port, timeout_s=2)
+            keys = [f"{key_prefix()}/beat/{rank}" for rank in range(self.world) if rank != self.rank]
+            before = [store.add(key, 0) for key in keys]
+            deadline = time.monotonic() + self.timeout_s + 2 * self.interval
+            while time.monotonic() < deadline:
+                if found := failure(store):
+                    return found
+                if all(store.add(key, 0) != count for key, count in zip(keys, before)):
+                    return None
+                time.sleep(0.2)
+        except Exception:  # the store is gone: the failure() before this one said so
+            pass
+        return None
 
     def stop(self) -> None:
         self.stopping.set()
