@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -105,24 +106,27 @@ def test_srun_rank_0_says_when_the_stores_port_is_taken(monkeypatch):
 
 
 def test_a_stall_is_judged_inside_loops_only_and_names_the_ranks_behind_or_every_rank_of_a_deadlock():
-    from starter.launch.watchdog import Stall
+    from starter.launch.stall import Stall
+    from starter.launch.watchdog import where
+
+    two_per_node, four_per_node = partial(where, ranks_per_node=2), partial(where, ranks_per_node=4)
 
     loader = "__getitems__ (my_data.py:9)"
     behind = {0: (7, 1, "all_reduce (torch/distributed/distributed_c10d.py:2)"), 1: (6, 1, loader)}
-    stall = Stall(timeout_s=10, ranks_per_node=2)
+    stall = Stall(timeout_s=10, name=two_per_node)
     assert [stall.check(behind, now) for now in (0, 10)] == [None, None]
     assert stall.check(behind, 10.5) == (f"rank 1 (node 0) in {loader} has made no progress for 10 s while the others"
                                          " wait; every process of the run stops (raise stall_timeout_s if a step or a"
                                          " checkpoint save takes longer)")  # fmt: skip
     # rank 0 outside every loop (saving the final weights, alone): no judgement, and the clock starts again
     outside = {0: (7, 0, "save (torch/serialization.py:1)"), 1: (6, 1, loader)}
-    stall = Stall(timeout_s=10, ranks_per_node=2)
+    stall = Stall(timeout_s=10, name=two_per_node)
     assert [stall.check(progress, now) for progress, now in ((behind, 0), (outside, 20), (behind, 25))] == [None] * 3
     assert stall.check(behind, 30.5).startswith("rank 1 (node 0) in")
-    assert Stall(timeout_s=10, ranks_per_node=2).check(None, 0) is None  # a rank that has not said anything yet
+    assert Stall(timeout_s=10, name=two_per_node).check(None, 0) is None  # a rank that has not said anything yet
     # every rank at the same count: each one's place, the first 4
     tied = {rank: (5, 2, f"step (x.py:{rank})") for rank in range(6)}
-    stall = Stall(timeout_s=10, ranks_per_node=4)
+    stall = Stall(timeout_s=10, name=four_per_node)
     stall.check(tied, 0)
     assert stall.check(tied, 11).startswith(
         "no rank has made progress for 10 s (a deadlock: rank 0 (node 0) in step (x.py:0), rank 1 (node 0) in step"
@@ -131,7 +135,8 @@ def test_a_stall_is_judged_inside_loops_only_and_names_the_ranks_behind_or_every
 
 
 def test_each_ranks_progress_is_read_from_the_store_once_every_rank_has_said_it():
-    from starter.launch.watchdog import read_progress, serve_store
+    from starter.launch.stall import read_progress
+    from starter.launch.watchdog import serve_store
 
     store = serve_store("127.0.0.1")
     store.set("run/progress/0", "12|1|")

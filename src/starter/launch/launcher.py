@@ -32,7 +32,7 @@ from starter.errors import PREEMPTED_EXIT_CODE
 from starter.fork_server import fork_server
 from starter.launch.environment import external_launcher
 from starter.launch.run_name import shared_store
-from starter.launch.watchdog import failure, report, serve_store, where
+from starter.launch.watchdog import failure, process_state, report, serve_store, where
 from starter.topology import Layout
 from starter.traits import Traits
 
@@ -165,10 +165,7 @@ def _run_store(address: str, port: str | None, holder: BaseProcess | None):
 
 
 def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) in ("T", "t")
 
 
 def join_rendezvous(port_to=None):

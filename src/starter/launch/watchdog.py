@@ -28,16 +28,17 @@ import os
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from starter import progress_count
 from starter.errors import UserError, one_line
+from starter.launch.stall import Stall, main_thread_at, read_progress
 
 LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
 KEY = "starter/watchdog"
@@ -120,7 +121,7 @@ class Watchdog:
         process that started this one (our launcher), which it outlives only to save and stop (`stop_signal`)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
-        self.stall = Stall(float(stall_timeout_s), ranks_per_node) if rank == 0 else None
+        self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.store_holder = store_holder
@@ -279,83 +280,15 @@ def gone(pid: int) -> bool:
         return True
     except PermissionError:
         return False
+    return process_state(pid) == "Z"
+
+
+def process_state(pid: int) -> str | None:
+    """The state /proc gives process `pid` (R running, S sleeping, T stopped, Z zombie...); None without one."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False  # no /proc (macOS): alive, as os.kill said
-
-
-def read_progress(store, prefix: str, world: int) -> dict[int, tuple[int, int, str]] | None:
-    """{rank: (boundaries, loops, where)} of every rank, or None before every rank has said it once."""
-    keys = [f"{prefix}/progress/{rank}" for rank in range(world)]
-    if not store.check(keys):
         return None
-    found = {}
-    for rank, value in enumerate(store.multi_get(keys)):
-        boundaries, loops, at = value.decode().split("|", 2)
-        found[rank] = (int(boundaries), int(loops), at)
-    return found
-
-
-class Stall:
-    """Rank 0's judge of the ranks' progress: a line naming whom the run waits for, once every rank is inside a loop
-    and no rank's count has moved for `timeout_s`. Outside loops (setting up, saving the final weights, exporting)
-    a process may legitimately work alone for long: the clock starts again."""
-
-    SHOWN = 4  # ranks named in the line at most
-    ENDS = "every process of the run stops (raise stall_timeout_s if a step or a checkpoint save takes longer)"
-
-    def __init__(self, timeout_s: float, ranks_per_node: int):
-        self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
-        self.counts, self.since = None, time.monotonic()
-
-    def check(self, progress: dict[int, tuple[int, int, str]] | None, now: float) -> str | None:
-        if progress is None:
-            return None
-        counts = {rank: boundaries for rank, (boundaries, _, _) in progress.items()}
-        if counts != self.counts or not all(loops > 0 for _, loops, _ in progress.values()):
-            self.counts, self.since = counts, now
-            return None
-        if now - self.since <= self.timeout_s:
-            return None
-        return self.line(progress)
-
-    def line(self, progress: dict[int, tuple[int, int, str]]) -> str:
-        least, most = min(self.counts.values()), max(self.counts.values())
-        behind = [rank for rank, count in self.counts.items() if count == least] if least < most else []
-        named = behind or list(progress)
-        shown = ", ".join(f"{where(rank, self.ranks_per_node)} in {progress[rank][2] or '?'}"
-                          for rank in named[: self.SHOWN])  # fmt: skip
-        if len(named) > self.SHOWN:
-            shown += f" and {len(named) - self.SHOWN} more"
-        seconds = f"{self.timeout_s:.0f} s"
-        if behind:
-            who = (
-                f"{shown} {'has' if len(behind) == 1 else 'have'} made no progress for {seconds} while the others wait"
-            )
-        else:
-            who = f"no rank has made progress for {seconds} (a deadlock: {shown})"
-        return f"{who}; {self.ENDS}"
-
-
-def main_thread_at() -> str:
-    """Where the main thread is: its innermost frame outside Python's own library, as 'function (file:line)'."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    paths = sysconfig.get_paths()
-    packages = (paths["purelib"], paths["platlib"])
-    while frame is not None:
-        file = frame.f_code.co_filename
-        if not (file.startswith("<") or file.startswith(paths["stdlib"]) and not file.startswith(packages)):
-            return f"{frame.f_code.co_name} ({_short(file)}:{frame.f_lineno})"
-        frame = frame.f_back
-    return ""
-
-
-def _short(file: str) -> str:
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in file:
-            return file.split(marker, 1)[1]
-    return os.path.relpath(file) if file.startswith(os.getcwd() + os.sep) else file
 
 
 def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, stall_timeout_s: float) -> Watchdog:
