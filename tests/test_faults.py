@@ -191,10 +191,11 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
     assert not list(tmp_path.glob("logs/**/*.ckpt")) and not list(tmp_path.glob("logs/**/model.pt"))
 
 
-def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_every_rank_exits_1(tmp_path):
-    proc = train(tmp_path, "strategy=ddp", "devices=2", "debug=limit", "+callbacks.bug._target_=probes.RaiseAtStep",
-                 "+callbacks.bug.step=2", "+callbacks.bug.rank=1", env=PROBES,
-                 expect_ok=False, timeout=120)  # fmt: skip
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])  # our launcher's workers; torch.multiprocessing's
+def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_every_rank_exits_1(strategy, tmp_path):
+    proc = train(tmp_path, f"strategy={strategy}", "devices=2", "debug=limit",
+                 "+callbacks.bug._target_=probes.RaiseAtStep", "+callbacks.bug.step=2", "+callbacks.bug.rank=1",
+                 env=PROBES, expect_ok=False, timeout=120)  # fmt: skip
     assert proc.returncode == 1
     assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
         "error: rank 1 (node 0): ValueError: a bug at step 2"  # rank 0's broken collective adds nothing

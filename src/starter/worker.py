@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from starter.fork_server import SERVER_IGNORES
-from starter.launch.launcher import join_rendezvous
+from starter.launch.launcher import join_rendezvous, name_process
 from starter.launch.watchdog import Watchdog
 
 # What the launcher's fork server imports once, before it forks any worker: torch and Lightning; none of it asks
@@ -34,7 +34,7 @@ def forked(env: dict, config_path: str, port_to=None) -> None:
 
 def main(config_path: str, port_to=None) -> int:
     rank = int(os.environ.get("RANK", 0))
-    _name_process(f"rank {rank}")
+    name_process(f"rank {rank}")
     cfg = OmegaConf.load(config_path)
     handlers = [logging.StreamHandler()]
     if rank == 0:  # rank 0 continues the run's log file; other ranks only warn, so no console line is repeated
@@ -66,14 +66,6 @@ def _launcher_pid() -> int | None:
     """Our launcher's pid (launcher.py sets it), which a worker watches; None under `python -m starter.worker`."""
     pid = os.environ.get("STARTER_LAUNCHER_PID")
     return int(pid) if pid else None
-
-
-def _name_process(name: str) -> None:
-    """`ps -o comm`, top and htop show which rank a process is (Linux: 15 characters)."""
-    try:
-        Path("/proc/self/comm").write_text(name[:15])
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":

@@ -189,10 +189,7 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
         codes = [p.exitcode for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if killed := [(rank, code) for rank, code in failed if code < 0]:
-            rank, code = killed[0]
-            name = signal.Signals(-code).name
-            lost = where(first_rank + rank, ranks_per_node=per_node)
-            raise WorkerFailed(f"{lost} was killed by {name}; every process of the run stops", 128 - code)
+            raise worker_failed(first_rank + killed[0][0], per_node, killed[0][1])
         if failed:
             code = failed[0][1]
             if code == PREEMPTED_EXIT_CODE:
@@ -206,6 +203,25 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
         if store is not None and polls % 5 == 0 and (found := _reported(store)):
             raise WorkerFailed(None, found[0])
         time.sleep(0.2)
+
+
+def worker_failed(rank: int, per_node: int, exit_code: int) -> WorkerFailed:
+    """A worker's exit as the job's: one a signal ended (exit code -signal) is said here, with 128 + the signal's
+    number (137 for SIGKILL, as a shell and schedulers report it); one that exited with a code has said why."""
+    if exit_code >= 0:
+        return WorkerFailed(None, exit_code)
+    name = signal.Signals(-exit_code).name
+    return WorkerFailed(
+        f"{where(rank, per_node)} was killed by {name}; every process of the run stops", 128 - exit_code
+    )
+
+
+def name_process(name: str) -> None:
+    """`ps -o comm`, top and htop show which rank a process is (Linux: 15 characters)."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
 
 
 def _reported(store):

@@ -25,7 +25,7 @@ def build_strategy(strategy_cfg: DictConfig, layout: Layout):
         log.info("strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"
                  " optimisation, without the DDP wrapper)", strategy_cfg.name, traits.one_process)  # fmt: skip
         return traits.one_process
-    kwargs = {k: v for k, v in OmegaConf.to_container(strategy_cfg).items() if k not in DESCRIPTIVE_KEYS}
+    kwargs = {k: v for k, v in OmegaConf.to_container(strategy_cfg, resolve=True).items() if k not in DESCRIPTIVE_KEYS}
     if "_target_" not in kwargs:
         return strategy_cfg.name
     make = instantiate(kwargs, _partial_=True)  # called below: Hydra would turn a dataclass argument into config
