@@ -51,7 +51,6 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_
 SAVE_FOREVER = """
 import sys, torch
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
-from starter.launch.watchdog import gone
 io, i = AtomicCheckpointIO(), 0
 while True:
     io.save_checkpoint({"version": i, "w": torch.full((4_000_000,), float(i))}, sys.argv[1])

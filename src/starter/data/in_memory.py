@@ -5,6 +5,11 @@ import torch
 from torch.utils.data import Dataset
 
 
+def already_batched(batch):
+    """The collate_fn of a data set whose __getitems__ returns the whole batch."""
+    return batch
+
+
 class TensorPairs(Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         if len(images) != len(labels):
@@ -21,10 +26,7 @@ class TensorPairs(Dataset):
         index = torch.as_tensor(indices)
         return self.images[index], self.labels[index]
 
-    @staticmethod
-    def collate_fn(batch):
-        """__getitems__ already returns the batch."""
-        return batch
+    collate_fn = staticmethod(already_batched)
 
 
 class RandomImages(Dataset):
@@ -47,7 +49,4 @@ class RandomImages(Dataset):
 
     indices_only = False  # yield pool indices for SyntheticDataModule.transfer_batch_to_device to gather
 
-    @staticmethod
-    def collate_fn(batch):
-        """__getitems__ already returns the batch."""
-        return batch
+    collate_fn = staticmethod(already_batched)

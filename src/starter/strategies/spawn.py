@@ -33,11 +33,11 @@ from starter.launch.watchdog import Watchdog
 
 
 class DDPSpawnStrategy(DDPStrategy):
-    def __init__(self, watchdog: dict | None = None, **kwargs):
-        """`watchdog`: the run's `heartbeat_timeout_s` and `stall_timeout_s`, for each rank's watchdog."""
+    def __init__(self, watchdog: dict, **kwargs):
+        """`watchdog`: the run's `heartbeat_timeout_s` and `stall_timeout_s` (conf/strategy/ddp_spawn.yaml), for each
+        rank's watchdog."""
         super().__init__(start_method="spawn", **kwargs)
-        watchdog = watchdog or {}
-        self.timeouts_s = (float(watchdog.get("heartbeat_timeout_s", 120)), float(watchdog.get("stall_timeout_s", 600)))
+        self.timeouts_s = (float(watchdog["heartbeat_timeout_s"]), float(watchdog["stall_timeout_s"]))
 
     def _configure_launcher(self) -> None:
         self._launcher = _SafeSpawnLauncher(self, start_method=self._start_method)
