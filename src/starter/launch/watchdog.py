@@ -124,6 +124,7 @@ class Watchdog:
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
+        self.saying = threading.Lock()  # the beat and the main thread's stop() may both see the launcher gone
         self.store_holder = store_holder
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
@@ -199,6 +200,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.launcher_pid and gone(self.launcher_pid):  # another rank saw it first and the run stopped
+            self._say_the_launcher_is_gone()
 
     def _beat(self) -> None:
         prefix = key_prefix()
@@ -243,12 +246,18 @@ class Watchdog:
     def _outlive_the_launcher(self) -> None:
         """Stop as a scheduler's stop signal would have this process: save last.ckpt at the next logging step (all
         ranks of every node agree on it) and exit 143."""
-        if self.rank % self.ranks_per_node == 0:
-            node = self.rank // self.ranks_per_node
-            print(f"error: node {node}'s launcher (train.py, pid {self.launcher_pid}) is gone; its workers save"
-                  " checkpoints/last.ckpt and stop", file=sys.stderr, flush=True)  # fmt: skip
-        self.launcher_pid = None
+        self._say_the_launcher_is_gone()
         os.kill(os.getpid(), self.stop_signal)
+
+    def _say_the_launcher_is_gone(self) -> None:
+        """Once per node, by its local rank 0: from its beat, or from its exit where another rank of the node saw
+        the launcher gone first and the run stopped before this rank's next beat."""
+        with self.saying:
+            pid, self.launcher_pid = self.launcher_pid, None
+        if pid and self.rank % self.ranks_per_node == 0:
+            node = self.rank // self.ranks_per_node
+            print(f"error: node {node}'s launcher (train.py, pid {pid}) is gone; its workers save"
+                  " checkpoints/last.ckpt and stop", file=sys.stderr, flush=True)  # fmt: skip
 
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
