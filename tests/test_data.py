@@ -118,10 +118,13 @@ def test_loader_workers_are_forks_of_a_server_that_imports_the_data_set_not_of_t
 
 
 IMPORTED_BY = """
+import atexit
 import os
 import subprocess
 import sys
 IMPORTED_BY = os.getpid()
+# Torch's, Lightning's exit hooks, in a server that preloaded them: it ends without them (fork_server_exit.py)
+atexit.register(lambda: open(os.path.join(os.path.dirname(__file__), f"torn_down.{os.getpid()}"), "w").close())
 
 
 def report(queue):
@@ -144,7 +147,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_fork_server_imports_its_preload_from_this_processs_sys_path(tmp_path):
+def test_a_fork_server_imports_its_preload_from_this_processs_sys_path_and_ends_without_a_teardown(tmp_path):
     # Python 3.10-3.11 hand the server this process's sys.path and do not apply it (CPython gh-117378): a module found
     # only there failed its preload in silence, and every process started from the server imported it itself.
     (tmp_path / "modules").mkdir()
@@ -155,6 +158,9 @@ def test_a_fork_server_imports_its_preload_from_this_processs_sys_path(tmp_path)
                          cwd=tmp_path, timeout=60)  # fmt: skip
     parent, importer, asking = map(int, out.stdout.split())
     assert importer == parent != asking, out.stderr
+    # Its job ended, the server ended at once (its pipes closed, so run() returned): no teardown, no exit hooks.
+    assert not (tmp_path / "modules" / f"torn_down.{parent}").exists()
+    assert (tmp_path / "modules" / f"torn_down.{asking}").exists()  # as the job's own process did
 
 
 def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():

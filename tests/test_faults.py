@@ -164,6 +164,30 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     assert torch.load(last, weights_only=True)["global_step"] == int(stopped_at) > before
 
 
+QUICK_EXIT = """
+import atexit, sys
+from pathlib import Path
+from starter.launch.quick_exit import quick_exit
+atexit.register(lambda: Path(sys.argv[1]).write_text("the exit hooks ran"))
+with quick_exit():
+    sys.stdout.write("buffered, no newline")
+    raise SystemExit(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("code,exit_code", [("0", 0), ("2", 2), ("143", 143), ("error: a message", 1)])
+def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_output_and_exit_hooks(
+    code, exit_code, tmp_path
+):
+    # train.py and ddp_spawn's ranks end so (launch/quick_exit.py): 1.5-2.5 s sooner where Lightning is imported.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    out = subprocess.run([sys.executable, "-c", QUICK_EXIT, str(tmp_path / "hooks"), code], capture_output=True,
+                         text=True, env=env, timeout=60)  # fmt: skip
+    assert (out.returncode, out.stdout) == (exit_code, "buffered, no newline"), out.stderr
+    assert (tmp_path / "hooks").read_text() == "the exit hooks ran"
+    assert out.stderr == ("error: a message\n" if exit_code == 1 else "")
+
+
 def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):
     # Rank 0 of each run serves its rendezvous store on a port the OS gave it and holds (no MASTER_PORT given);
     # ddp_spawn's parent does the same (strategies/spawn.py), exercised by every ddp_spawn run.

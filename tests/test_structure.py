@@ -11,7 +11,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "starter"
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "logging_step", "fork_server", "progress_count"},
+    {"errors", "logging_step", "fork_server", "fork_server_exit", "progress_count"},
     {"traits", "topology", "loggers", "checkpointing", "models", "callbacks"},
     {"data", "launch"},
     {"strategies"},

@@ -29,6 +29,7 @@ from torch import nn
 from torch.multiprocessing import ProcessExitedException
 
 from starter.launch.launcher import AGENT_STORE, name_process, serve_store, worker_failed
+from starter.launch.quick_exit import quick_exit
 from starter.launch.watchdog import Watchdog
 
 
@@ -72,7 +73,7 @@ class _SafeSpawnLauncher(_MultiProcessingLauncher):
         watchdog = Watchdog(strategy.cluster_environment.main_address, int(os.environ["MASTER_PORT"]), rank,
                             strategy.num_nodes * strategy.num_processes, strategy.num_processes, *strategy.timeouts_s,
                             store_holder=holder)  # fmt: skip
-        with watchdog.reporting():
+        with quick_exit(), watchdog.reporting():  # rank 0's results are in the parent's queue by the end
             args, kwargs = apply_to_collection((args, kwargs), dtype=nn.Module, function=unshare_tensor_attributes)
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest, **more)
             if dist.is_initialized():
