@@ -322,10 +322,11 @@ def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mni
 
 
 @pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
-                                               ("srun", "SIGKILL")])  # fmt: skip
+                                               ("srun", "SIGKILL"), ("ddp_spawn", "SIGSTOP")])  # fmt: skip
 def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):
-    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it. An srun
-    # task a signal killed has no launcher of ours to say so: rank 0 finds it the same way.
+    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it, and
+    # kills it where no launcher of ours would (srun's task, torch's spawned process: each would wait for it). An
+    # srun task a signal killed has no launcher of ours to say so: rank 0 finds it the same way.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
     if launched_by == "srun":  # one task per rank, each a train.py of its own; no launcher of ours
         command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
@@ -334,19 +335,24 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
                  MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                  text=True) for rank in (0, 1)]  # fmt: skip
         stopped, node = procs[1].pid, 0
+    elif launched_by == "ddp_spawn":
+        procs, node = [start(tmp_path, "strategy=ddp_spawn", "devices=2", "accelerator=cpu", *long)], 0
     else:
         procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+    if launched_by == "ddp_spawn":  # the store train.py serves for the ranks it spawned
+        stopped = worker_of_rank(procs[0], 1)
+        port = int(dict(v.split(b"=", 1) for v in Path(f"/proc/{stopped}/environ").read_bytes().split(b"\0") if v)[
+            b"MASTER_PORT"])  # fmt: skip
     wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
-    os.kill(stopped if launched_by == "srun" else worker_of_rank(procs[1], 1), signal.Signals[fault])
+    victim = stopped if launched_by != "our launcher on two nodes" else worker_of_rank(procs[1], 1)
+    os.kill(victim, signal.Signals[fault])
     stopped_at = time.monotonic()
-    watched = procs[:1] if launched_by == "srun" else procs  # a stopped srun task: SLURM ends the step
-    codes, ended, lines = exits(watched, timeout=60)
-    if launched_by == "srun":
-        procs[1].kill()
-        procs[1].wait()
-    # within heartbeat_timeout_s + a heartbeat or two (node 1's launcher kills its stopped worker at once)
-    assert codes == [124] * len(watched) and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at, lines)
+    codes, ended, lines = exits(procs, timeout=60)
+    # within heartbeat_timeout_s + a heartbeat or two; the stopped rank killed at once (a SIGKILLed one: killed)
+    expected = {"srun": [124, -9], "ddp_spawn": [124]}.get(launched_by, [124, 124])
+    assert codes == expected and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at, lines)
+    assert gone(victim)
     assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
                      " every process of the run stops"]  # fmt: skip
 

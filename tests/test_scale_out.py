@@ -60,9 +60,9 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     assert max((restarted[k].float() - whole[k].float()).abs().max().item() for k in whole) <= 1e-6
 
 
-def test_a_stopped_torchrun_worker_ends_the_run_within_a_minute_with_a_line_naming_it(tmp_path):
-    # Rank 0's watchdog finds the stopped worker after heartbeat_timeout_s and leaves with 124; torchrun's agent then
-    # ends the group: it gives the stopped worker its own 30 s to leave before SIGKILL, and exits 1 (its code).
+def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(tmp_path):
+    # Rank 0's watchdog finds the stopped worker after heartbeat_timeout_s, kills it (torchrun's agent would give it
+    # 30 s to act on a SIGTERM it cannot see) and leaves with 124; the agent exits 1 (its code).
     port = free_port()
     command = [*TORCHRUN, "--nproc-per-node=2", f"--master-port={port}", "--rdzv-id=stopped", str(ROOT / "train.py"),
                "strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
@@ -74,7 +74,7 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_a_minute_with_a_line_nami
     stopped_at = time.monotonic()
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - stopped_at
-    assert proc.returncode == 1 and seconds < 60, (proc.returncode, seconds, err[-3000:])
+    assert proc.returncode == 1 and seconds < 6 + 14, (proc.returncode, seconds, err[-3000:])
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == ["error: rank 1 (node 0) has not answered for 6 s (killed, stopped, or its node lost); every"
                      " process of the run stops"]  # fmt: skip

@@ -17,6 +17,11 @@ code; its peers wait for it in a collective). So each beat also says how far the
 has not moved), and rank 0 ends the run once every rank is inside a loop and no rank has moved for
 `stall_timeout_s`, naming the ranks that are behind the others.
 
+A lost rank that is stopped (SIGSTOP, state T) cannot act on the SIGTERM that torchrun's agent or torch's spawn
+sends it, and they give it 30 s before SIGKILL; srun leaves it to SLURM. Where no launcher of ours starts the
+ranks (`kills_stopped_peers`), the watchdog that names a lost rank on its own host therefore SIGKILLs it when it is
+stopped. (Our launcher kills its stopped workers itself when the run ends.)
+
 A worker of our launcher also watches its launcher: one killed (SIGKILL, the OOM killer) leaves its workers with
 nobody to forward a signal or collect their exit; they then stop as on a stop signal, saving last.ckpt.
 
@@ -116,16 +121,17 @@ def listening(address: str, port: int) -> bool:
 class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
                  stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
-                 stop_signal: int = signal.SIGTERM):  # fmt: skip
+                 stop_signal: int = signal.SIGTERM, kills_stopped_peers: bool = False):  # fmt: skip
         """`store_holder`: who serves the store, for the line said when it stops answering. `launcher_pid`: the
-        process that started this one (our launcher), which it outlives only to save and stop (`stop_signal`)."""
+        process that started this one (our launcher), which it outlives only to save and stop (`stop_signal`).
+        `kills_stopped_peers`: a lost rank found stopped on this host is SIGKILLed here (no launcher of ours would)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both see the launcher gone
-        self.store_holder = store_holder
+        self.store_holder, self.kills_stopped_peers = store_holder, kills_stopped_peers
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
@@ -212,7 +218,9 @@ class Watchdog:
             if self.launcher_pid and gone(self.launcher_pid):
                 self._outlive_the_launcher()
             try:
-                store = store or client(self.address, self.port, self.timeout_s)
+                if store is None:
+                    store = client(self.address, self.port, self.timeout_s)
+                    store.set(f"{prefix}/process/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
                 store.add(f"{prefix}/beat/{self.rank}", 1)
                 store.set(f"{prefix}/progress/{self.rank}", self._progress())
                 if found := failure(store):
@@ -231,6 +239,8 @@ class Watchdog:
                         lost = where(rank, self.ranks_per_node)
                         report(store, LOST_EXIT_CODE, f"{lost} has not answered for {allowed:.0f} s"
                                " (killed, stopped, or its node lost); every process of the run stops")  # fmt: skip
+                        if self.kills_stopped_peers:
+                            kill_if_stopped_here(store, f"{prefix}/process/{rank}")
                         self._leave(failure(store)[0])
                 self.answered, self.ever_answered = time.monotonic(), True
             except Exception:  # the store unreachable: retried; the timer ends this process if it stays so
@@ -281,6 +291,18 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
+def kill_if_stopped_here(store, key: str) -> None:
+    """SIGKILL the process a rank published under `key` ("host pid") if it runs on this host and is stopped."""
+    if not store.check([key]):  # it never beat
+        return
+    host, pid = store.get(key).decode().split()
+    if host == socket.gethostname() and process_state(int(pid)) == "T":
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile, or not ours to kill
+
+
 def gone(pid: int) -> bool:
     """Whether process `pid` has ended (exited, or a zombie that its parent has not reaped yet)."""
     try:
@@ -307,8 +329,18 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
-                        store_holder="rank 0 (node 0)", serves_store=served is not None)  # fmt: skip
+    watchdog = Watchdog(
+        address,
+        port,
+        rank,
+        world,
+        ranks_per_node,
+        timeout_s,
+        stall_timeout_s,
+        store_holder="rank 0 (node 0)",
+        serves_store=served is not None,
+        kills_stopped_peers=True,
+    )
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 

@@ -13,8 +13,9 @@ Four things a spawned run needs that Lightning 2.6 does not do:
   fit/test, user hooks included, and only on success: a failed rank must exit, not wait for the others.
 - Run the watchdog (launch/watchdog.py) in every rank, as our launcher's workers do: an error is said once, in one
   line naming its rank, and a rank that stops answering (or a run in which no rank moves) ends the run within
-  `heartbeat_timeout_s` (`stall_timeout_s`) instead of the process group's 30 minutes. torch then gives the ranks
-  still running 30 s to leave before it kills them; a failed rank's code becomes the job's (WorkerFailed).
+  `heartbeat_timeout_s` (`stall_timeout_s`) instead of the process group's 30 minutes; a stopped rank is killed by
+  the rank that names it (torch's join would give it 30 s to act on a SIGTERM it cannot see). A failed rank's code
+  becomes the job's (WorkerFailed).
 """
 
 import os
@@ -28,9 +29,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch import nn
 from torch.multiprocessing import ProcessExitedException
 
-from starter.launch.launcher import AGENT_STORE, name_process, serve_store, worker_failed
+from starter.launch.launcher import AGENT_STORE, WorkerFailed, name_process, serve_store, worker_failed
 from starter.launch.quick_exit import quick_exit
-from starter.launch.watchdog import Watchdog
+from starter.launch.watchdog import Watchdog, failure
 
 
 class DDPSpawnStrategy(DDPStrategy):
@@ -53,16 +54,18 @@ class _SafeSpawnLauncher(_MultiProcessingLauncher):
         environment._main_port = store.port  # Lightning sets MASTER_PORT from it for the children
         os.environ.update(AGENT_STORE)  # every rank a client of this store
         try:
-            return self._launch(function, *args, trainer=trainer, **kwargs)
+            return self._launch(function, *args, trainer=trainer, store=store, **kwargs)
         finally:  # the next fit/test gets a store of its own; nothing leaks into later runs from this process
             environment._main_port = -1
             for name in ("MASTER_PORT", *AGENT_STORE):
                 os.environ.pop(name, None)
 
-    def _launch(self, function, *args, trainer=None, **kwargs):
+    def _launch(self, function, *args, trainer=None, store=None, **kwargs):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as err:  # a rank ended: it said why, or a signal ended it (said here)
+            if store is not None and (found := failure(store)):  # a watchdog said it (and killed a stopped rank)
+                raise WorkerFailed(None, found[0]) from None
             raise worker_failed(err.error_index, self._strategy.num_processes, err.exit_code) from None
 
     def _wrapping_function(self, process_idx, trainer, function, args, kwargs, *rest, **more) -> None:
@@ -72,7 +75,7 @@ class _SafeSpawnLauncher(_MultiProcessingLauncher):
         holder = "train.py, which spawned the ranks," if AGENT_STORE.keys() <= os.environ.keys() else "rank 0 (node 0)"
         watchdog = Watchdog(strategy.cluster_environment.main_address, int(os.environ["MASTER_PORT"]), rank,
                             strategy.num_nodes * strategy.num_processes, strategy.num_processes, *strategy.timeouts_s,
-                            store_holder=holder)  # fmt: skip
+                            store_holder=holder, kills_stopped_peers=True)  # fmt: skip
         with quick_exit(), watchdog.reporting():  # rank 0's results are in the parent's queue by the end
             args, kwargs = apply_to_collection((args, kwargs), dtype=nn.Module, function=unshare_tensor_attributes)
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest, **more)
