@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from starter.fork_server import SERVER_IGNORES
 from starter.launch.launcher import join_rendezvous, name_process
+from starter.launch.quick_exit import quick_exit
 from starter.launch.watchdog import Watchdog
 
 # What the launcher's fork server imports once, before it forks any worker: torch and Lightning; none of it asks
@@ -69,4 +70,5 @@ def _launcher_pid() -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    with quick_exit():
+        sys.exit(main(sys.argv[1]))
