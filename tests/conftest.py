@@ -79,14 +79,28 @@ def wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, epochs: int = 2)
     raise AssertionError(f"no checkpoint appeared; exit code {proc.poll()}")
 
 
-def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
-    """The pid of the worker of `rank` among the launcher's descendants: our workers are named after their rank
-    (children of its fork server), torchrun's have RANK in their environment."""
-    pids, found = [str(launcher.pid)], []
+def descendants(pid: int) -> list[int]:
+    pids, found = [str(pid)], []
     while pids:
         pids = subprocess.run(["pgrep", "-P", ",".join(pids)], capture_output=True, text=True).stdout.split()
         found += pids
-    for pid in found:
+    return [int(p) for p in found]
+
+
+def kill_with_descendants(proc: subprocess.Popen) -> None:
+    """What a test that failed leaves behind (a stopped rank, workers training on) must not slow the tests after it."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the worker of `rank` among the launcher's descendants: our workers are named after their rank
+    (children of its fork server), torchrun's have RANK in their environment."""
+    for pid in descendants(launcher.pid):
         try:
             comm, environ = Path(f"/proc/{pid}/comm").read_text().strip(), Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:

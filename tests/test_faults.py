@@ -17,6 +17,7 @@ from conftest import (
     QUIET,
     ROOT,
     free_port,
+    kill_with_descendants,
     on_cpu,
     plant,
     read_metrics,
@@ -304,7 +305,10 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
     while len(ended) < len(procs) and time.monotonic() < deadline:
         ended |= {i: time.monotonic() for i, p in enumerate(procs) if i not in ended and p.poll() is not None}
         time.sleep(0.1)
-    assert len(ended) == len(procs), f"still running after {timeout} s: {[p.args[-1] for p in procs]}"
+    if len(ended) < len(procs):
+        for proc in procs:
+            kill_with_descendants(proc)
+        raise AssertionError(f"still running after {timeout} s: {[p.args[-1] for p in procs]}")
     lines = [line for p in procs for line in p.stderr.read().splitlines() if line.startswith("error:")]
     return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
 
