@@ -166,10 +166,11 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
 
 
 QUICK_EXIT = """
-import atexit, sys
+import atexit, sys, threading, time
 from pathlib import Path
 from starter.launch.quick_exit import quick_exit
-atexit.register(lambda: Path(sys.argv[1]).write_text("the exit hooks ran"))
+atexit.register(lambda: Path(sys.argv[1]).write_text(Path(sys.argv[1]).read_text() + ", the exit hooks ran"))
+threading.Thread(target=lambda: time.sleep(0.3) or Path(sys.argv[1]).write_text("a thread wrote")).start()
 with quick_exit():
     sys.stdout.write("buffered, no newline")
     raise SystemExit(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
@@ -177,7 +178,7 @@ with quick_exit():
 
 
 @pytest.mark.parametrize("code,exit_code", [("0", 0), ("2", 2), ("143", 143), ("error: a message", 1)])
-def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_output_and_exit_hooks(
+def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_output_threads_and_exit_hooks(
     code, exit_code, tmp_path
 ):
     # train.py and ddp_spawn's ranks end so (launch/quick_exit.py): 1.5-2.5 s sooner where Lightning is imported.
@@ -185,7 +186,7 @@ def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_outp
     out = subprocess.run([sys.executable, "-c", QUICK_EXIT, str(tmp_path / "hooks"), code], capture_output=True,
                          text=True, env=env, timeout=60)  # fmt: skip
     assert (out.returncode, out.stdout) == (exit_code, "buffered, no newline"), out.stderr
-    assert (tmp_path / "hooks").read_text() == "the exit hooks ran"
+    assert (tmp_path / "hooks").read_text() == "a thread wrote, the exit hooks ran"  # in the interpreter's order
     assert out.stderr == ("error: a message\n" if exit_code == 1 else "")
 
 
