@@ -102,12 +102,18 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     (children of its fork server), torchrun's have RANK in their environment."""
     for pid in descendants(launcher.pid):
         try:
-            comm, environ = Path(f"/proc/{pid}/comm").read_text().strip(), Path(f"/proc/{pid}/environ").read_bytes()
+            comm, environ = Path(f"/proc/{pid}/comm").read_text().strip(), environ_of(pid)
         except OSError:
             continue
-        if comm == f"rank {rank}" or f"RANK={rank}".encode() in environ.split(b"\0"):
-            return int(pid)
+        if comm == f"rank {rank}" or environ.get("RANK") == str(rank):
+            return pid
     raise AssertionError("worker not found")
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def on_cpu(overrides) -> list[str]:

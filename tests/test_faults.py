@@ -16,6 +16,7 @@ from conftest import (
     PROBES,
     QUIET,
     ROOT,
+    environ_of,
     free_port,
     kill_with_descendants,
     on_cpu,
@@ -347,8 +348,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
     if launched_by == "ddp_spawn":  # the store train.py serves for the ranks it spawned
         stopped = worker_of_rank(procs[0], 1)
-        port = int(dict(v.split(b"=", 1) for v in Path(f"/proc/{stopped}/environ").read_bytes().split(b"\0") if v)[
-            b"MASTER_PORT"])  # fmt: skip
+        port = int(environ_of(stopped)["MASTER_PORT"])
     wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
     victim = stopped if launched_by != "our launcher on two nodes" else worker_of_rank(procs[1], 1)
     os.kill(victim, signal.Signals[fault])

@@ -130,7 +130,7 @@ class Watchdog:
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
-        self.saying = threading.Lock()  # the beat and the main thread's stop() may both see the launcher gone
+        self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
         self.store_holder, self.kills_stopped_peers = store_holder, kills_stopped_peers
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
@@ -206,8 +206,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self.stopping.set()
-        if self.launcher_pid and gone(self.launcher_pid):  # another rank saw it first and the run stopped
-            self._say_the_launcher_is_gone()
+        self._launcher_is_gone()  # said here where another rank saw it first and the run stopped before this beat
 
     def _beat(self) -> None:
         prefix = key_prefix()
@@ -215,8 +214,8 @@ class Watchdog:
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
         store = None
         while not self.stopping.wait(self.interval):
-            if self.launcher_pid and gone(self.launcher_pid):
-                self._outlive_the_launcher()
+            if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
+                os.kill(os.getpid(), self.stop_signal)
             try:
                 if store is None:
                     store = client(self.address, self.port, self.timeout_s)
@@ -253,21 +252,18 @@ class Watchdog:
         self.boundaries = boundaries
         return f"{boundaries}|{loops}|{at}"
 
-    def _outlive_the_launcher(self) -> None:
-        """Stop as a scheduler's stop signal would have this process: save last.ckpt at the next logging step (all
-        ranks of every node agree on it) and exit 143."""
-        self._say_the_launcher_is_gone()
-        os.kill(os.getpid(), self.stop_signal)
-
-    def _say_the_launcher_is_gone(self) -> None:
-        """Once per node, by its local rank 0: from its beat, or from its exit where another rank of the node saw
-        the launcher gone first and the run stopped before this rank's next beat."""
+    def _launcher_is_gone(self) -> bool:
+        """True once, to the first caller (the beat or stop()) that finds our launcher gone; local rank 0 says it."""
         with self.saying:
-            pid, self.launcher_pid = self.launcher_pid, None
-        if pid and self.rank % self.ranks_per_node == 0:
+            pid = self.launcher_pid
+            if not pid or not gone(pid):
+                return False
+            self.launcher_pid = None
+        if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
             print(f"error: node {node}'s launcher (train.py, pid {pid}) is gone; its workers save"
                   " checkpoints/last.ckpt and stop", file=sys.stderr, flush=True)  # fmt: skip
+        return True
 
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
@@ -296,7 +292,7 @@ def kill_if_stopped_here(store, key: str) -> None:
     if not store.check([key]):  # it never beat
         return
     host, pid = store.get(key).decode().split()
-    if host == socket.gethostname() and process_state(int(pid)) == "T":
+    if host == socket.gethostname() and process_state(int(pid)) == "T":  # not "t": a debugger holds it
         try:
             os.kill(int(pid), signal.SIGKILL)
         except OSError:
@@ -329,18 +325,9 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    watchdog = Watchdog(
-        address,
-        port,
-        rank,
-        world,
-        ranks_per_node,
-        timeout_s,
-        stall_timeout_s,
-        store_holder="rank 0 (node 0)",
-        serves_store=served is not None,
-        kills_stopped_peers=True,
-    )
+    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
+                        store_holder="rank 0 (node 0)", serves_store=served is not None,
+                        kills_stopped_peers=True)  # fmt: skip
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 
