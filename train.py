@@ -6,7 +6,7 @@ Only Hydra is imported here, so `--help` and config errors stay fast; torch and 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from starter.launch.quick_exit import quick_exit
+from starter.errors import end_without_teardown
 from starter.launch.run_name import run_name
 
 
@@ -19,5 +19,4 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
-    with quick_exit():
-        main()
+    end_without_teardown(main)

@@ -34,7 +34,7 @@ RUNS += [
     [*R18, "strategy=ddp_spawn", "compile=true"],
     [*R18, "strategy=dp", "compile=true", "precision=16-mixed"],
     [*R18, "strategy=ddp", "sync_batchnorm=true"],
-    [*R18, "model.ema_decay=0.99", "precision=bf16-mixed"],
+    [*R18, "callbacks.weight_averaging.decay=0.99", "precision=bf16-mixed"],
     ["model=vit", "strategy=tp", "precision=bf16-mixed"],
     ["model=vit", "strategy=tp", "precision=16-mixed"],
     ["model=vit", "strategy=pp", "precision=bf16-mixed"],

@@ -40,7 +40,7 @@ EXTRAS = {
         "strategy.activation_checkpointing=true",
     ],
     "cnn-fsdp-cpu_offload": [*CNN, "strategy=fsdp", "strategy.cpu_offload=true"],
-    "cnn-ema-bf16": [*CNN, "model.ema_decay=0.99", "precision=bf16-mixed"],
+    "cnn-ema-bf16": [*CNN, "callbacks.weight_averaging.decay=0.99", "precision=bf16-mixed"],
     "vit-tp-foreach-bf16": ["model=vit", "strategy=tp", "precision=bf16-mixed", "+model.optimizer.foreach=true"],
     "vit-pp-bf16": ["model=vit", "strategy=pp", "precision=bf16-mixed"],
     "vit-tp-fp16": ["model=vit", "strategy=tp", "precision=16-mixed"],

@@ -203,13 +203,13 @@ def test_the_class_count_is_read_from_the_folder_unless_given(image_folder, tmp_
         prepare(cfg)
 
 
-def test_a_vit_is_refused_crop_sizes_other_than_the_one_it_was_built_for(image_folder, tmp_path):
-    common = ["data=imagenet", f"data.root={image_folder}", "accelerator=cpu", "model=vit"]
-    cfg = compose_config([*common, "data.val_crop_size=256", "data.val_resize_size=288"], tmp_path)
-    with pytest.raises(UserError, match="takes 224x224 images only .* but data.val_crop_size=256; use 224"):
-        prepare(cfg)
-    prepare(compose_config([*common, "data.train_crop_size=224"], tmp_path))  # the size it takes: fine
-    prepare(compose_config([*common, "model=resnet18", "data.train_crop_size=176"], tmp_path))  # any size: fine
+def test_a_vit_refuses_images_of_another_size_than_it_was_built_for_in_one_line(image_folder, tmp_path):
+    from hydra.utils import instantiate
+
+    vit = instantiate(compose_config(["model=vit", "data.image_shape=[3,32,32]"], tmp_path).model)
+    assert vit(torch.zeros(2, 3, 32, 32)).shape == (2, 10)  # the size it takes
+    with pytest.raises(UserError, match="the net takes 32x32 images only .* but was given 36x36; crop the data"):
+        vit(torch.zeros(2, 3, 36, 36))
 
 
 def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, tmp_path):
@@ -231,7 +231,8 @@ def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, t
     )
     cfg = (run_dirs(tmp_path, "imagenet_resnet50_recipe")[0] / "config.yaml").read_text()
     for key in ("auto_augment: ta_wide", "mixup_alpha: 0.2", "cutmix_alpha: 1.0", "label_smoothing: 0.1",
-                "lr_warmup_epochs: 5", "ema_decay: 0.999966", "norm_weight_decay: 0.0", "num_classes: 3"):  # fmt: skip
+                "lr_warmup_epochs: 5", "decay: 0.999966", "warmup_epochs: 5", "norm_weight_decay: 0.0",
+                "num_classes: 3"):  # fmt: skip
         assert key in cfg, key
     assert proc.returncode == 0
 

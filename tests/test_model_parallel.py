@@ -152,12 +152,6 @@ def test_a_pipeline_checkpoint_evaluates_on_another_cut_and_resumes_only_on_its_
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (
-            ["strategy=tp", "model=cnn"],
-            "strategy=tp splits the Linear layers of model=mlp or model=vit; this model's"
-            " net \\(CNN\\) has none it can split",
-        ),
-        (["strategy=tp", "model=vit", "devices=3"], "model.net.heads=4 does not split over 3"),
         (["strategy=fsdp", "strategy.tensor_parallel_size=3", "devices=4"], "tensor_parallel_size=3 does not divide"),
         (
             ["strategy=pp", "strategy.microbatches=5"],

@@ -71,7 +71,7 @@ def test_lr_warmup_rises_linearly_over_its_steps_then_follows_the_schedule(tmp_p
 
 
 def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
-    train(tmp_path, "debug=limit", "trainer.max_epochs=2", "model.ema_decay=0.9")
+    train(tmp_path, "debug=limit", "trainer.max_epochs=2", "callbacks.weight_averaging.decay=0.9")
     run_dir = run_dirs(tmp_path)[0]
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     averaged, raw = last["state_dict"], last["current_model_state"]  # Lightning's EMAWeightAveraging layout
@@ -79,11 +79,17 @@ def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
     assert max_difference(model_weights(run_dir), averaged) == 0.0
     # evaluating best.ckpt (the averaged weights) gives the run's test metrics: it is what the run tested
     best = run_dir / "checkpoints" / "best.ckpt"
-    evaluated = train(tmp_path / "eval", "debug=limit", "train=false", f"ckpt_path={best}", "model.ema_decay=0.9")
+    evaluated = train(
+        tmp_path / "eval", "debug=limit", "train=false", f"ckpt_path={best}", "callbacks.weight_averaging.decay=0.9"
+    )
     assert evaluated.returncode == 0
     assert read_metrics(run_dirs(tmp_path / "eval")[0])["test/acc"] == read_metrics(run_dir)["test/acc"]
-    with pytest.raises(UserError, match="model.ema_decay .* strategy=fsdp shards them"):
-        prepare(compose_config(["model.ema_decay=0.9", "strategy=fsdp", "devices=2", "accelerator=cpu"], tmp_path))
+    with pytest.raises(UserError, match="callbacks.weight_averaging.decay .* strategy=fsdp shards them"):
+        prepare(
+            compose_config(
+                ["callbacks.weight_averaging.decay=0.9", "strategy=fsdp", "devices=2", "accelerator=cpu"], tmp_path
+            )
+        )
 
 
 def test_the_weight_average_updates_without_reading_the_device_and_restarts_during_warm_up(monkeypatch):

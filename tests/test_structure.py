@@ -11,12 +11,12 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "starter"
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "logging_step", "fork_server", "fork_server_exit", "progress_count"},
-    {"traits", "topology", "loggers", "checkpointing", "models", "callbacks"},
+    {"errors"},
+    {"topology", "loggers", "checkpointing", "models", "callbacks"},
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run"},
-    {"main", "worker"},
+    {"main"},
 ]
 
 

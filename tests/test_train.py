@@ -218,7 +218,7 @@ def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_p
     def process_on(device: str):
         return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
 
-    tf32 = instantiate(compose_config([], tmp_path).callbacks.tf32)  # every run's (conf/callbacks/base.yaml)
+    tf32 = instantiate(compose_config([], tmp_path).callbacks.tf32)  # every run's (conf/callbacks/base/every_run.yaml)
     assert isinstance(tf32, TF32) and tf32.enabled  # the default, tf32: true
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:

@@ -1,22 +1,25 @@
-"""What `train.py` runs for each Hydra job: check the config, then train here or in one worker per device."""
+"""What `train.py` runs for each Hydra job: check the config, then train here or in one worker per device.
+
+A run of one process goes main -> run. The machinery of several processes (the launcher, the watchdog, the fork
+server) is imported only where several processes start.
+"""
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from starter.errors import UserError, one_line
-from starter.launch.environment import external_launcher
-from starter.launch.launcher import WorkerFailed, launch_workers, needs_launch
-from starter.launch.run_name import shared_store
-from starter.launch.watchdog import linger_s, report, watch_external_ranks
+from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
+from starter.launch.environment import launched_by
 from starter.preflight import prepare
-from starter.worker import PRELOAD, forked
+from starter.topology import Traits
 
-log = logging.getLogger(__name__)
+WORKER_JOB = "starter.run:run"  # what each worker of our launcher runs
+# What the workers' fork server imports once: torch and Lightning, none of it asking CUDA anything (a CUDA driver
+# initialised before a fork fails in the forked workers).
+WORKER_PRELOAD = ("starter.launch.worker", "starter.run")
 
 
 def main(cfg: DictConfig) -> float | None:
@@ -26,12 +29,11 @@ def main(cfg: DictConfig) -> float | None:
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(cfg, run_dir / "config.yaml")
-        if needs_launch(cfg, layout):
-            launch_workers(forked, PRELOAD, config_path, layout, stop_signals=list(cfg.stop_signals),
-                           linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
-            # rank 0 writes the run's outputs; the jobs of other nodes have nothing to report
-            metrics = json.loads((run_dir / "metrics.json").read_text()) if _node_rank() == 0 else {}
-        elif launcher := external_launcher(layout.world):  # torchrun's workers, srun's tasks: each a rank
+        launcher = launched_by(layout.world, Traits.of(cfg.strategy).multi_process)
+        if launcher == "ours":
+            metrics = launch(cfg, config_path, layout)
+        elif launcher is not None:  # torchrun's workers, srun's tasks: each a rank
+            from starter.launch.watchdog import watch_external_ranks
             from starter.run import run
 
             watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s,
@@ -43,14 +45,32 @@ def main(cfg: DictConfig) -> float | None:
 
             metrics = run(OmegaConf.load(config_path))
     except UserError as err:
-        where = f"node {_node_rank()}: " if int(cfg.num_nodes) > 1 else ""
-        report(shared_store(), 2, f"{where}{one_line(err)}")  # several nodes: the other nodes stop too
-        raise SystemExit(2) from None
+        if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
+            from starter.launch.launcher import node_store
+            from starter.launch.watchdog import report
+
+            report(node_store(), USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", _node_rank())
+        else:
+            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_EXIT_CODE) from None
+    return metrics.get(cfg.optimized_metric)
+
+
+def launch(cfg: DictConfig, config_path: Path, layout) -> dict:
+    """One worker per device of this node, started by our launcher; rank 0 writes the run's outputs."""
+    from starter.launch.launcher import WorkerFailed, launch_workers
+    from starter.launch.watchdog import linger_s
+    from starter.launch.worker import forked
+
+    try:
+        launch_workers(forked, WORKER_JOB, WORKER_PRELOAD, config_path, layout, Traits.of(cfg.strategy).launcher,
+                       stop_signals=list(cfg.stop_signals),
+                       linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
-            print(f"error: {err.message}", file=sys.stderr)
+            print(f"error: {err.message}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
-    return metrics.get(cfg.optimized_metric)
+    return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text()) if _node_rank() == 0 else {}
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:

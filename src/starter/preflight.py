@@ -11,15 +11,14 @@ from omegaconf import DictConfig, ListConfig
 
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
 from starter.errors import UserError
-from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, external_launcher
-from starter.topology import PIPELINE_SCHEDULES, Layout, device_count, pipeline_cut, stages_per_process
-from starter.traits import Traits, why_not
+from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
+from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
+from starter.topology import Layout, Traits, device_count, device_type, why_not
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-TENSOR_PARALLEL_NETS = ("MLP", "ViT")  # class names of the nets whose layers strategies/tp.py splits
 
 
 def prepare(cfg: DictConfig) -> Layout:
@@ -28,9 +27,9 @@ def prepare(cfg: DictConfig) -> Layout:
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     _check_stop_signals(cfg)
-    for key, default in (("heartbeat_timeout_s", 120), ("stall_timeout_s", 600)):
+    for key in ("heartbeat_timeout_s", "stall_timeout_s"):
         if not float(cfg[key]) > 0:
-            raise UserError(f"{key}={cfg[key]}: give seconds above 0 (default {default})")
+            raise UserError(f"{key}={cfg[key]}: give seconds above 0")
     _settle_accelerator_and_devices(cfg)
     _settle_num_classes(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
@@ -39,39 +38,33 @@ def prepare(cfg: DictConfig) -> Layout:
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
     _check_capabilities(cfg, traits, layout)
-    _check_tensor_parallel_net(cfg, layout)
-    if traits.pipeline or layout.pipeline_parallel > 1:
-        _check_pipeline(cfg, layout)
-    _check_fixed_input_size(cfg)
+    if pipelined(cfg.strategy, layout):
+        check_pipeline(cfg, layout)
     _check_logger_packages(cfg)
     layout.batch_per_process(int(cfg.data.batch_size))
-    if traits.multi_process and not external_launcher(layout.world):
+    if launched_by(layout.world, traits.multi_process) == "ours":
         check_rendezvous(layout.nodes)
     if cfg.ckpt_path is not None:
         path = resolve_ckpt_path(cfg)
         if path is not None:
             check_sharded_writer(path, cfg.strategy.name)
-            if cfg.train and path.is_dir():
-                _check_pipeline_cut(cfg, layout, path)
+            if cfg.train and path.is_dir() and (saved := saved_config(path)) is not None:
+                check_cut(path, saved, cfg, layout)
         cfg.ckpt_path = None if path is None else str(path)
     return layout
 
 
-def runs_on_cpu(cfg: DictConfig) -> bool:
-    return cfg.accelerator == "cpu"
-
-
 def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
-    """Decide `accelerator=auto` and `devices=auto|-1|[i, ...]` here, once, so every worker gets plain values
-    and a device that does not exist is one line here rather than an exception in each worker."""
+    """Decide `accelerator` (cpu or gpu; auto: gpu where there is one) and `devices=auto|-1|[i, ...]` here, once, so
+    every worker gets plain values and a device that does not exist is one line here rather than an exception in
+    each worker."""
     if cfg.accelerator not in ACCELERATORS:
         raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
-    gpus = cuda_device_count() if cfg.accelerator in ("auto", "gpu", "cuda") else 0
-    if cfg.accelerator == "auto":
-        cfg.accelerator = "gpu" if gpus else "cpu"
-    if cfg.accelerator in ("gpu", "cuda") and gpus == 0:
+    gpus = cuda_device_count() if cfg.accelerator != "cpu" else 0
+    if cfg.accelerator != "auto" and cfg.accelerator != "cpu" and gpus == 0:
         raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
-    on_gpu, devices = cfg.accelerator in ("gpu", "cuda"), cfg.devices
+    cfg.accelerator = "gpu" if gpus else "cpu"
+    on_gpu, devices = device_type(cfg) == "cuda", cfg.devices
     if devices in ("auto", -1, "-1"):
         cfg.devices = gpus if on_gpu else 1
         log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
@@ -112,7 +105,7 @@ def _check_processes(cfg: DictConfig, traits: Traits) -> None:
     if traits.devices_per_process == "one" and devices > 1:
         raise UserError(f"strategy={name} runs one process on one device, but devices={devices}; "
                         f"use strategy=ddp (or ddp_spawn) for {devices} processes")  # fmt: skip
-    if devices > 1 and runs_on_cpu(cfg):
+    if devices > 1 and device_type(cfg) == "cpu":
         raise UserError(f"strategy={name} splits each batch over CUDA GPUs and this run is on CPU; "
                         f"use strategy=ddp devices={devices} for {devices} CPU processes")  # fmt: skip
     if traits.devices_per_process == "all" and devices == 1:
@@ -131,65 +124,21 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
     if cfg.trainer.get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
         raise UserError(f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave"
                         " gradient clipping off")  # fmt: skip
-    if cfg.model.get("ema_decay") is not None and not traits.whole_weights:
-        raise UserError(f"model.ema_decay (weight averaging) needs whole weights in each process; strategy="
-                        f"{name} shards them. Use strategy=ddp, or model.ema_decay=null")  # fmt: skip
+    averaging = (cfg.get("callbacks") or {}).get("weight_averaging") or {}
+    if averaging.get("decay") is not None and not traits.whole_weights:
+        raise UserError(
+            f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each process;"
+            f" strategy={name} shards them. Use strategy=ddp, or callbacks.weight_averaging.decay=null"
+        )
     if cfg.get("sync_batchnorm") and layout.world > 1:
         if not traits.syncs_batchnorm:
             raise UserError(f"sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy={name}")
-        if runs_on_cpu(cfg):
+        if device_type(cfg) == "cpu":
             raise UserError("sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
                             " on CPU each process normalises with its own batch statistics")  # fmt: skip
-    if cfg.strategy.get("cpu_offload") and runs_on_cpu(cfg):
+    if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
         raise UserError(f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
                         " CPU already; leave it false")  # fmt: skip
-
-
-def _check_tensor_parallel_net(cfg: DictConfig, layout: Layout) -> None:
-    """Tensor parallel splits Linear layers of known shapes: the net must have them, in sizes that split."""
-    tp = layout.tensor_parallel
-    if tp == 1:
-        return
-    net = str(cfg.model.net.get("_target_", "")).rsplit(".", 1)[-1]
-    if net not in TENSOR_PARALLEL_NETS:
-        raise UserError(f"strategy={cfg.strategy.name} splits the Linear layers of model=mlp or model=vit; this"
-                        f" model's net ({net}) has none it can split; use strategy=fsdp or ddp for it")  # fmt: skip
-    for key in ("heads", "width"):
-        if key in cfg.model.net and int(cfg.model.net[key]) % tp:
-            raise UserError(f"model.net.{key}={cfg.model.net[key]} does not split over {tp} tensor-parallel"
-                            f" processes; use a multiple of {tp}")  # fmt: skip
-
-
-def _check_pipeline(cfg: DictConfig, layout: Layout) -> None:
-    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them."""
-    strategy, stages = cfg.strategy, layout.pipeline_parallel
-    if cfg.get("compile"):
-        raise UserError("compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
-                        " fsdp without strategy.pipeline_parallel_size")  # fmt: skip
-    schedule, micro = str(strategy.schedule), int(strategy.microbatches)
-    if schedule not in PIPELINE_SCHEDULES:
-        raise UserError(f"strategy.schedule={schedule}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
-    per_process = stages_per_process(schedule, strategy.get("stages_per_rank"))
-    if (schedule == "interleaved_1f1b") != (per_process > 1):
-        fix = (
-            "strategy.stages_per_rank=2 (or more)"
-            if schedule == "interleaved_1f1b"
-            else "strategy.schedule=interleaved_1f1b"
-        )
-        raise UserError(f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
-                        f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
-    batch = layout.batch_per_process(int(cfg.data.batch_size))
-    if batch % micro:
-        raise UserError(
-            f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step, which"
-            f" strategy.microbatches={micro} does not divide; give each pipeline a multiple of {micro}"
-        )
-    if schedule == "1f1b" and micro < stages:
-        raise UserError(f"strategy.microbatches={micro} is fewer than the {stages} stages of the pipeline, which 1f1b"
-                        f" needs at least; use strategy.microbatches={stages} or more")  # fmt: skip
-    if schedule == "interleaved_1f1b" and micro % max(1, micro // stages):
-        raise UserError(f"strategy.microbatches={micro}: interleaved_1f1b on {stages} processes needs a multiple"
-                        f" of {stages}")  # fmt: skip
 
 
 def _check_stop_signals(cfg: DictConfig) -> None:
@@ -198,35 +147,6 @@ def _check_stop_signals(cfg: DictConfig) -> None:
     if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
         raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
                         " SIGUSR1, SIGUSR2")  # fmt: skip
-
-
-def _check_pipeline_cut(cfg: DictConfig, layout: Layout, path: Path) -> None:
-    """A pipeline's sharded checkpoint holds each stage's optimizer state: training continues with the same cut."""
-    saved = saved_config(path)
-    if saved is None:
-        return
-    was, asked = pipeline_cut(saved.strategy, Layout.of(saved)), pipeline_cut(cfg.strategy, layout)
-    if was != asked:
-        raise UserError(f"ckpt_path={path} was saved by {_describe_cut(was)}; this run asks for {_describe_cut(asked)}:"
-                        " resume it with the strategy.pipeline_parallel_size and strategy.stages_per_rank it was"
-                        " saved with (evaluating it works: train=false)")  # fmt: skip
-
-
-def _describe_cut(cut: tuple[int, int] | None) -> str:
-    if cut is None:
-        return "a net not cut into a pipeline"
-    return f"a pipeline of {cut[0]} processes x {cut[1]} stages each"
-
-
-def _check_fixed_input_size(cfg: DictConfig) -> None:
-    """A net built for one image size (a ViT's position embedding) must get that size in training and evaluation."""
-    size = cfg.model.net.get("image_size")
-    crops = {key: cfg.data.get(key) for key in ("train_crop_size", "val_crop_size")}
-    if size is None or all(crop in (None, size) for crop in crops.values()):
-        return
-    given = ", ".join(f"data.{key}={crop}" for key, crop in crops.items() if crop not in (None, size))
-    raise UserError(f"the net takes {size}x{size} images only (model.net.image_size, from data.image_shape) "
-                    f"but {given}; use {size}, or change data.image_shape")  # fmt: skip
 
 
 def _check_logger_packages(cfg: DictConfig) -> None:

@@ -21,14 +21,13 @@ from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import write_run_outputs
 from starter.strategies.build import build_strategy
 from starter.strategies.precision import precision_plugin
-from starter.topology import Layout
-from starter.traits import Traits
+from starter.topology import Layout, Traits, device_type
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Returns the final metrics (`train/loss`, `val/loss`, `val/acc`, `test/loss`, `test/acc` where run)."""
+    """Returns the final metrics: what the model and the callbacks logged last (`test/*`: the tested checkpoint's)."""
     _silence_known_noise()
     _log_through_root()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -38,14 +37,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("channels_last"):
         use_channels_last(model, weights=traits.channels_last_weights)
     callbacks = [build(c) for c in cfg.callbacks.values()]
-    device = "cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu"  # settled by preflight.prepare
     trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy, layout),
         callbacks=[c for c in callbacks if c is not None],  # a callback config may build to nothing: off
         logger=[build(lg) for lg in cfg.logger.values()] or False,
         plugins=[build(p) for p in cfg.trainer.get("plugins") or []]
-        + [precision_plugin(str(cfg.precision), device, traits.whole_weights)]
+        + [precision_plugin(str(cfg.precision), device_type(cfg), traits.whole_weights)]
         + cluster_environment(layout),
     )
     log_config(trainer, cfg)
@@ -73,7 +71,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
-        write_run_outputs(Path(cfg.paths.output_dir), metrics)
+        write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor)
     end_logger_runs(trainer)
     if torch.distributed.is_initialized():
         # Leaving a gloo process group to interpreter shutdown can abort a rank on exit ("terminate called

@@ -1,19 +1,60 @@
-"""The layout of a run's processes: how many, on how many nodes, and how they share the work (data, tensor and
-pipeline parallel sizes). Computed once, from the settled config and the strategy's traits, and handed to whatever
-needs a size (the checks, the launcher, the strategy's device mesh); nothing else does this arithmetic
-(torchtitan's ParallelDims). Imports nothing heavy.
+"""What a run's strategy can do and how its processes are laid out, decided once, before anything heavy is imported.
 
+`Traits`: what a strategy can do, declared in its config (`traits:` in conf/strategy/<name>.yaml) and read by the
+checks before launch (preflight.py), the launch and the run: a new strategy is its class and its YAML, and no other
+file names it. A capability is True (supported), or False or a string saying why not (refused, with that reason,
+in one line).
+
+`Layout`: how many processes, on how many nodes, and how they share the work (data, tensor and pipeline parallel
+sizes). Computed once, from the settled config and the strategy's traits, and handed to whatever needs a size (the
+checks, the launcher, the strategy's device mesh); nothing else does this arithmetic (torchtitan's ParallelDims).
 The sizes come from the strategy's config: `tensor_parallel_size` and `pipeline_parallel_size` (absent: 1; null:
 every process of the run). Data parallel is what is left: the processes of one tensor-parallel group or one
 pipeline train on the same batch, so the global batch is shared out over the data-parallel groups only.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, ListConfig
 
 from starter.errors import UserError
-from starter.traits import Traits
+
+Support = bool | str
+
+
+@dataclass(frozen=True)
+class Traits:
+    launcher: str | None = None  # how our launcher (launch/launcher.py) starts one process per device: "forkserver"
+    # or "spawn"; None: the run is this one process
+    one_process: str | None = None  # what a run of one process trains with instead (ddp: auto, nothing to reduce)
+    devices_per_process: str = "one"  # or "all": one process drives every device it is given (dp; needs CUDA)
+    pipeline: bool = False  # cuts the net (an nn.Sequential) into stages run by a schedule over micro-batches
+    scales_fp16: Support = True  # precision=16-mixed: a loss scaler that works with its gradients
+    clips_gradients: Support = True  # trainer.gradient_clip_val: clipped by the norm of the whole model's gradient
+    compiles: Support = True  # compile=true
+    whole_weights: bool = True  # every process holds every weight (what weight averaging needs)
+    syncs_batchnorm: bool = False  # sync_batchnorm=true: BatchNorm statistics over the global batch (GPUs)
+    channels_last_weights: bool = True  # conv weights may be stored NHWC (FSDP2 shards contiguous ones only)
+
+    @classmethod
+    def of(cls, strategy_cfg) -> "Traits":
+        declared = dict(strategy_cfg.get("traits") or {})
+        known = [f.name for f in fields(cls)]
+        if unknown := sorted(declared.keys() - set(known)):
+            names = ", ".join(known)
+            raise UserError(f"strategy={strategy_cfg.name} declares unknown traits {unknown}; known: {names}")
+        return cls(**declared)
+
+    @property
+    def multi_process(self) -> bool:
+        return self.launcher is not None
+
+
+def why_not(support: Support) -> str | None:
+    """None where `support` says supported; else the reason it gives ("" when it gives none)."""
+    if support is True:
+        return None
+    return support if isinstance(support, str) else ""
 
 
 @dataclass(frozen=True)
@@ -55,19 +96,9 @@ class Layout:
         return cls(layout.nodes, per_node, tp, pp)
 
 
-PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-
-
-def stages_per_process(schedule: str, given: int | None) -> int:
-    """The pipeline stages each process runs: as given, else 2 for the interleaved schedule and 1 for the others."""
-    return int(given or (2 if schedule == "interleaved_1f1b" else 1))
-
-
-def pipeline_cut(strategy_cfg: DictConfig, layout: Layout) -> tuple[int, int] | None:
-    """(stages of a pipeline, stages per process) where the strategy runs the net as a pipeline; else None."""
-    if not (Traits.of(strategy_cfg).pipeline or layout.pipeline_parallel > 1):
-        return None
-    return layout.pipeline_parallel, stages_per_process(str(strategy_cfg.schedule), strategy_cfg.get("stages_per_rank"))
+def device_type(cfg: DictConfig) -> str:
+    """ "cuda" or "cpu": what every process of the run computes on, once preflight settled `accelerator`."""
+    return "cuda" if cfg.accelerator == "gpu" else "cpu"
 
 
 def _size(strategy_cfg: DictConfig, key: str, world: int) -> int:

@@ -1,24 +1,26 @@
-"""Counts the batch boundaries the main thread passes (starter/progress_count.py), so that the watchdog can end a run
-in which no rank has moved for `stall_timeout_s`, naming the rank the others wait for."""
+"""How far this process's main thread has got, for the watchdog's thread (launch/watchdog.py) to tell a run that
+waits forever (a rank deadlocked in its data loader or its own code, its peers in a collective) from a slow one:
+integer adds on the host, nothing read from the device."""
 
 import lightning as L
 
-from starter import progress_count
-
 
 class BatchTicks(L.Callback):
+    boundaries = 0  # batch starts and ends this process has passed
+    loops = 0  # loops (fit, validate, test, predict) entered and not yet left: where the boundaries must keep coming
+
     def on_train_batch_start(self, *args) -> None:
-        progress_count.boundaries += 1
+        BatchTicks.boundaries += 1
 
     on_train_batch_end = on_validation_batch_start = on_validation_batch_end = on_train_batch_start
     on_test_batch_start = on_test_batch_end = on_predict_batch_start = on_predict_batch_end = on_train_batch_start
 
     def on_fit_start(self, *args) -> None:
-        progress_count.loops += 1  # a count, not a flag: fit's validation is a loop inside a loop
+        BatchTicks.loops += 1  # a count, not a flag: fit's validation is a loop inside a loop
 
     on_validation_start = on_test_start = on_predict_start = on_fit_start
 
     def on_fit_end(self, *args) -> None:
-        progress_count.loops -= 1
+        BatchTicks.loops -= 1
 
     on_validation_end = on_test_end = on_predict_end = on_fit_end

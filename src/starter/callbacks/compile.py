@@ -9,7 +9,7 @@ import lightning as L
 
 
 def compile_module(enabled: bool, options: dict | None = None) -> "CompileModule | None":
-    """The callback for `compile` and `compile_options` (conf/callbacks/base.yaml); None when compile=false."""
+    """The callback for `compile` and `compile_options` (conf/callbacks/base/every_run.yaml); None when off."""
     return CompileModule(**(options or {})) if enabled else None
 
 

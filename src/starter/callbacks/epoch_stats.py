@@ -1,19 +1,24 @@
 """Per epoch, what a training log is read for: images/s and time of the epoch's training steps, the learning
-rate it started with, and the best val/acc so far (also in metrics.json and the final table).
+rate it started with, and the best `monitor` so far (`val/acc_best`; also in metrics.json and the final table).
 
 Clocks and counts are read on the host at batch ends (no device sync, no collective); the figures are logged
-once per epoch, as `train/images_per_s`, `train/epoch_time`, `lr` and `val/acc_best`.
+once per epoch, as `train/images_per_s`, `train/epoch_time`, `lr` and `<monitor>_best`.
 """
 
 import time
 
 import lightning as L
 
+from starter.errors import UserError
+
 EPOCH_FIGURES = ("train/epoch_time", "train/images_per_s")  # logged once an epoch, at its end
 
 
 class EpochStats(L.Callback):
-    def __init__(self):
+    def __init__(self, monitor: str = "val/acc", mode: str = "max"):
+        if mode not in ("max", "min"):
+            raise UserError(f"monitor_mode={mode}: choose max or min")
+        self.monitor, self.better = monitor, max if mode == "max" else min
         self.started = self.ended = 0.0
         self.lr: float | None = None
         self.best: float | None = None
@@ -35,13 +40,17 @@ class EpochStats(L.Callback):
         if self.lr is not None:
             pl_module.log("lr", self.lr)
         if self.best is not None:  # validation ran before this hook
-            pl_module.log("val/acc_best", self.best)
+            pl_module.log(f"{self.monitor}_best", self.best)
 
-    def on_validation_end(self, trainer, pl_module) -> None:  # the epoch's val/acc is in callback_metrics by now
-        if trainer.sanity_checking or "val/acc" not in trainer.callback_metrics:
+    def on_validation_end(self, trainer, pl_module) -> None:  # the epoch's metrics are in callback_metrics by now
+        if trainer.sanity_checking:
             return
-        acc = float(trainer.callback_metrics["val/acc"])
-        self.best = acc if self.best is None else max(self.best, acc)
+        if self.monitor not in trainer.callback_metrics:
+            logged = ", ".join(sorted(k for k in trainer.callback_metrics if k.startswith("val"))) or "none"
+            raise UserError(f"monitor={self.monitor}: the model logs no such metric (its validation metrics: {logged});"
+                            " set monitor= and monitor_mode= to one it logs")  # fmt: skip
+        value = float(trainer.callback_metrics[self.monitor])
+        self.best = value if self.best is None else self.better(self.best, value)
 
     def state_dict(self) -> dict:
         return {"best": self.best}

@@ -10,11 +10,12 @@ import time
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from starter.callbacks.epoch_stats import EPOCH_FIGURES
-from starter.logging_step import is_logging_step
+from starter.callbacks.logging_step import is_logging_step
 
 
 def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar | None:
-    """The display for `trainer.enable_progress_bar` (conf/callbacks/base.yaml): a bar on a terminal, else lines;
+    """The display for `trainer.enable_progress_bar` (conf/callbacks/base/every_run.yaml): a bar on a terminal, else
+    lines;
     None when disabled (Lightning refuses a progress bar callback then)."""
     if not enabled:
         return None

@@ -1,4 +1,4 @@
-"""An exponential moving average of the weights (`model.ema_decay`), torchvision's `--model-ema`.
+"""An exponential moving average of the weights (`callbacks.weight_averaging.decay`), torchvision's `--model-ema`.
 
 Lightning's EMAWeightAveraging keeps the average beside the model, swaps it in for validation, saves it as the
 checkpoint's `state_dict` (the raw weights as `current_model_state`) and copies it into the model when training
@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 
 def weight_averaging(decay: float | None, warmup_epochs: float = 0) -> "AveragedWeights | None":
-    """The callback for `model.ema_decay` (conf/callbacks/base.yaml); None when it is null (no averaging)."""
+    """The callback for `decay` (conf/callbacks/base/every_run.yaml); None when it is null (no averaging)."""
     return None if decay is None else AveragedWeights(float(decay), int(warmup_epochs or 0))
 
 

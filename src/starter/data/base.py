@@ -7,8 +7,9 @@ change the optimisation. Evaluation splits the data without padding (UnrepeatedD
 sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
 sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
 A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py). Loader workers start
-from a fork server that imported the data set's module once (fork_server.py), not as forks of the training process:
-data sets live in modules that import torch, not Lightning (in_memory.py, image_files.py), for a lighter server.
+from a fork server that imported the data set's module once (launch/fork_server.py), not as forks of the training
+process: data sets live in modules that import torch, not Lightning (in_memory.py, image_files.py), for a lighter
+server.
 
 Images travel as uint8 (a quarter of float32's bytes through the loader's queues and to the GPU) and are
 normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
@@ -25,7 +26,6 @@ from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.data.worker_seed import seed_worker
 from starter.errors import UserError
-from starter.fork_server import fork_server
 from starter.topology import per_process_batch
 
 
@@ -85,6 +85,8 @@ class ShardedDataModule(L.LightningDataModule):
         )
         if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
             # process's fork server, never from this threaded process; it imports what the workers unpickle
+            from starter.launch.fork_server import fork_server
+
             unpickled_from = (type(dataset).__module__, seed_worker.__module__)
             options |= dict(generator=torch.Generator().manual_seed(self.seed),
                             worker_init_fn=partial(seed_worker, rank=rank),

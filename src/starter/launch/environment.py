@@ -23,10 +23,24 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+def torchrun_id() -> str | None:
+    """The run id torchrun gives the processes it started; None where torchrun did not start this one."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def launched_by(world: int, multi_process: bool) -> str | None:
+    """Who starts the ranks of a run of `world` processes: "torchrun" or "slurm" (each rank already runs train.py),
+    "ours" (this job starts one worker per device: launch/launcher.py), or None (this process is the whole run; or
+    another launcher started it, LOCAL_RANK set). `multi_process`: the strategy's trait."""
+    if external := external_launcher(world):
+        return external
+    return "ours" if multi_process and world > 1 and "LOCAL_RANK" not in os.environ else None
+
+
 def external_launcher(world: int) -> str | None:
     """Who started every rank of a run of `world` processes already: "torchrun", "slurm" (one task per rank), or
     None (nobody: one process, or our launcher starts the workers; then SLURM's variables must not decide ranks)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if torchrun_id() is not None:
         return "torchrun"
     tasks = slurm_tasks()
     if tasks <= 1:
@@ -48,7 +62,7 @@ def slurm_tasks() -> int:
 
 def adopt_torchrun_sizes(cfg: DictConfig) -> None:
     """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if torchrun_id() is None:
         return
     local, total = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
     nodes = total // local

@@ -1,21 +1,23 @@
-"""Starts one worker process per device for strategies whose traits name this launcher (ddp, fsdp, tp, pp).
+"""Starts one worker process per device for strategies whose traits name a launcher (ddp, ddp_spawn, fsdp, tp, pp).
 
 Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-composes the config, makes a
 second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
-launches: each worker runs `starter.worker.main(<run_dir>/config.yaml)` with the torch.distributed environment
-set (the torchrun contract), so all ranks train the same resolved job into the same directory. If one worker
-fails, the others are stopped and the job fails with its exit code; every process also runs a watchdog
+launches: each worker runs `starter.launch.worker.main(<run_dir>/config.yaml)` with the torch.distributed
+environment set (the torchrun contract), so all ranks train the same resolved job into the same directory. If one
+worker fails, the others are stopped and the job fails with its exit code; every process also runs a watchdog
 (launch/watchdog.py) that ends the processes of every node when one fails, dies or stops answering.
 
 The workers are forked from one fork server (multiprocessing's forkserver: a fresh interpreter, no CUDA, no
 thread of this process) that imported torch and Lightning once, so N workers cost one import (8 s of CPU on a
 small machine) instead of N at once, also on a file system that serves Python's files slowly. A sweep keeps
-the server: its next jobs start at once. The worker sets its own environment and thread count.
+the server: its next jobs start at once. ddp_spawn's workers are started by multiprocessing's spawn instead:
+fresh interpreters, each importing everything itself. The worker sets its own environment and thread count.
 
 On one machine (no MASTER_PORT given) rank 0 serves the rendezvous store on a port the OS picks (port 0) and
 holds it for the whole run, so two runs started at once cannot race for a port (a port merely found free here
 and bound by rank 0 later could be taken in between). Rank 0 sends this process the port through a pipe; the
-other ranks start with it. This process never imports torch (the fork server does).
+other ranks start with it. On several nodes, node 0's job serves the store at MASTER_PORT (`join_nodes`). This
+process imports torch only for that store.
 """
 
 import multiprocessing
@@ -23,50 +25,58 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from starter.errors import PREEMPTED_EXIT_CODE
-from starter.fork_server import fork_server
-from starter.launch.environment import external_launcher
-from starter.launch.run_name import shared_store
+from starter.launch.fork_server import fork_server
 from starter.launch.watchdog import failure, process_state, report, serve_store, where
 from starter.topology import Layout
-from starter.traits import Traits
 
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+_node_store = None  # the store the jobs of several nodes share, held (node 0: served) for as long as this job runs
 
 
 class WorkerFailed(Exception):
     """The job's exit code; `message` is None where the failing process has said why (or another node's did)."""
 
-    def __init__(self, message: str | None, exit_code: int):
+    def __init__(self, message: str | None, exit_code: int, reported: bool = False):
+        """`reported`: read from the run's store, where another node's process wrote it (this node says it too)."""
         super().__init__(message)
-        self.message, self.exit_code = message, exit_code
+        self.message, self.exit_code, self.reported = message, exit_code, reported
 
 
-def needs_launch(cfg: DictConfig, layout: Layout) -> bool:
-    """Whether this job starts the workers: a strategy this launcher starts, of several processes, that torchrun
-    or SLURM did not start (LOCAL_RANK set by any other launcher also means the ranks exist)."""
-    if Traits.of(cfg.strategy).launcher != "subprocess" or layout.world == 1 or "LOCAL_RANK" in os.environ:
-        return False
-    return external_launcher(layout.world) is None
+def join_nodes(serve: bool):
+    """The store at MASTER_ADDR:MASTER_PORT that the jobs of several nodes share for the whole run (served by node 0's
+    job): the run's name, then every node's workers' rendezvous and the failures any process reports."""
+    global _node_store
+    from torch.distributed import TCPStore
+
+    _node_store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=serve,
+                           wait_for_workers=False, timeout=timedelta(seconds=300))  # fmt: skip
+    return _node_store
+
+
+def node_store():
+    """The store this job shares with the other nodes' jobs, or None (one node)."""
+    return _node_store
 
 
 def launch_workers(
     entry: Callable,
+    job: str,
     preload: tuple[str, ...],
     config_path: Path,
     layout: Layout,
+    start_method: str = "forkserver",
     stop_signals=("SIGTERM",),
     grace_s: float = 10.0,
     linger_s: float = 0.0,
 ) -> None:
-    """Runs `entry(env, config_path, port_to)` in one process per device of this node, forked from a server that
-    imported `preload` (the worker's modules) once."""
+    """Runs `entry(env, config_path, port_to, job)` in one process per device of this node: forked from a server that
+    imported `preload` (the worker's modules) once, or with `start_method="spawn"` a fresh interpreter each."""
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -81,15 +91,17 @@ def launch_workers(
     )
     ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]
     # The store, served apart from init_process_group: on one node by rank 0 on a port the OS picks; on several
-    # by node 0's job at MASTER_PORT (run_name.py). A port the user chose on one node: rank 0 serves it there.
-    if not os.environ.get("MASTER_PORT") or shared_store() is not None:
+    # by node 0's job at MASTER_PORT (join_nodes). A port the user chose on one node: rank 0 serves it there.
+    if not os.environ.get("MASTER_PORT") or node_store() is not None:
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
+    if found := _reported(node_store()):  # another node failed before this one launched: said here too
+        raise WorkerFailed(found[1], found[0], reported=True)
     procs: list[BaseProcess] = []
     received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
-    server = fork_server(preload)
+    server = fork_server(preload) if start_method == "forkserver" else multiprocessing.get_context(start_method)
 
     def start(env: dict, port_to=None) -> None:
-        process = server.Process(target=entry, args=(env, str(config_path), port_to), name=f"rank {env['RANK']}")
+        process = server.Process(target=entry, args=(env, str(config_path), port_to, job), name=f"rank {env['RANK']}")
         process.start()
         procs.append(process)
         if received:  # a stop signal came while the workers started: this one has not had it
@@ -110,14 +122,14 @@ def launch_workers(
                 start(rank_env)
         _wait(procs, received, node_rank * devices, devices)
     except WorkerFailed as failed:
-        if failed.message and failed.exit_code != PREEMPTED_EXIT_CODE:
+        if failed.message and not failed.reported and failed.exit_code != PREEMPTED_EXIT_CODE:
             # A worker a signal ended cannot say it: said here, once, and written in the run's store, where the
             # other processes read it (their broken collectives are not the cause) and leave with its code.
             holder = procs[0] if node_rank == 0 else None  # one node: rank 0 serves the store
-            store = shared_store() or _run_store(env["MASTER_ADDR"], port, holder)
+            store = node_store() or _run_store(env["MASTER_ADDR"], port, holder)
             report(store, failed.exit_code, failed.message)
             failed.message = None
-        if node_rank == 0 and shared_store() is not None:
+        if node_rank == 0 and node_store() is not None:
             time.sleep(linger_s)  # this job serves the store: the other nodes read the failure from it first
         raise
     finally:
@@ -184,7 +196,7 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
     for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it). A worker that exits with a
     code has said why (watchdog.report); one a signal ended cannot, so this says it. Several nodes: also ends when
     a process of another node has reported a failure in the store (this node's workers may be unable to leave)."""
-    store, polls = shared_store(), 0
+    store, polls = node_store(), 0
     while True:
         codes = [p.exitcode for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -201,7 +213,7 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
             return
         polls += 1
         if store is not None and polls % 5 == 0 and (found := _reported(store)):
-            raise WorkerFailed(None, found[0])
+            raise WorkerFailed(found[1], found[0], reported=True)  # this node's workers may be unable to leave
         time.sleep(0.2)
 
 
@@ -224,7 +236,9 @@ def name_process(name: str) -> None:
         pass
 
 
-def _reported(store):
+def _reported(store) -> tuple[int, str] | None:
+    if store is None:
+        return None
     try:
         return failure(store)
     except Exception:  # node 0's job, which serves the store, has ended: this node's watchdogs tell why

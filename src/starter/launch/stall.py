@@ -1,6 +1,6 @@
 """A run whose ranks all answer the heartbeat may still wait forever: one rank's main thread deadlocked (in its data
 loader, in its own code) while its threads live on, the others waiting for it in a collective. Each rank's watchdog
-(watchdog.py) publishes with its beat how far its main thread has got (progress_count.py: batch boundaries passed,
+(watchdog.py) publishes with its beat how far its main thread has got (batch boundaries passed,
 counted by callbacks/batch_ticks.py) and, when that has not moved, where the main thread is; rank 0's `Stall` reads
 them all and says whom the run waits for once no rank has moved for `stall_timeout_s`.
 """

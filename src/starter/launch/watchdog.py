@@ -13,7 +13,7 @@ with a line saying so: a second thread keeps that time, since a stopped server n
 
 A process can answer every beat while its main thread waits forever (deadlocked in its data loader or its own
 code; its peers wait for it in a collective). So each beat also says how far the main thread has got
-(progress_count.py: batch boundaries passed, counted by callbacks/batch_ticks.py, and where it is when that count
+(batch boundaries passed, counted by callbacks/batch_ticks.py, and where it is when that count
 has not moved), and rank 0 ends the run once every rank is inside a loop and no rank has moved for
 `stall_timeout_s`, naming the ranks that are behind the others.
 
@@ -41,19 +41,18 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-from starter import progress_count
-from starter.errors import UserError, one_line
+from starter.errors import LOST_EXIT_CODE, UserError, one_line
+from starter.launch.environment import torchrun_id
 from starter.launch.stall import Stall, main_thread_at, read_progress
 
-LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
 KEY = "starter/watchdog"
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
 
 
 def key_prefix() -> str:
     """Namespaced per torchrun attempt: its agent's store outlives a restart, and the old keys must not stop it."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return f"{KEY}/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if (run_id := torchrun_id()) is not None:
+        return f"{KEY}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return KEY
 
 
@@ -70,9 +69,10 @@ def where(rank: int, ranks_per_node: int) -> str:
     return f"rank {rank} (node {rank // ranks_per_node})"
 
 
-def report(store, code: int, line: str) -> bool:
-    """Write `failed` unless a process did first; print `line` only then. Returns whether this was the first."""
-    mine = f"{code}|{line}"
+def report(store, code: int, line: str, node: int = 0) -> bool:
+    """Write `failed` unless a process did first; print `line` only then. Returns whether this was the first.
+    `node`: the node whose process met it (another node's launcher says it too)."""
+    mine = f"{code}|{node}|{line}"
     try:
         first = store is None or store.compare_set(f"{key_prefix()}/failed", "", mine).decode() == mine
     except Exception:  # the store is gone: say it here rather than nowhere
@@ -82,13 +82,13 @@ def report(store, code: int, line: str) -> bool:
     return first
 
 
-def failure(store) -> tuple[int, str] | None:
-    """(code, line) that a process reported, or None."""
+def failure(store) -> tuple[int, str, int] | None:
+    """(code, line, node) that a process reported, or None."""
     key = f"{key_prefix()}/failed"
     if not store.check([key]):
         return None
-    code, line = store.get(key).decode().split("|", 1)
-    return int(code), line
+    code, node, line = store.get(key).decode().split("|", 2)
+    return int(code), line, int(node)
 
 
 def serve_store(address: str, port: int = 0):
@@ -144,7 +144,7 @@ class Watchdog:
             store = client(self.address, self.port, self.timeout_s)
         except Exception:
             store = None
-        report(store, code, f"{where(self.rank, self.ranks_per_node)}: {line}")
+        report(store, code, f"{where(self.rank, self.ranks_per_node)}: {line}", self.rank // self.ranks_per_node)
         self._linger()
 
     @contextmanager
@@ -168,7 +168,7 @@ class Watchdog:
         finally:
             self.stop()
 
-    def failure(self, wait_s: float = 0) -> tuple[int, str] | None:
+    def failure(self, wait_s: float = 0) -> tuple[int, str, int] | None:
         """What another process reported, waiting up to `wait_s` for it (a peer killed by a signal is reported by
         its launcher), or None."""
         deadline, reached = time.monotonic() + wait_s, False
@@ -181,10 +181,10 @@ class Watchdog:
             except Exception:
                 pass
             if time.monotonic() >= deadline:
-                return None if reached or not wait_s else (1, "the run's store is gone")
+                return None if reached or not wait_s else (1, "the run's store is gone", 0)
             time.sleep(0.2)
 
-    def _peer_lost(self) -> tuple[int, str] | None:
+    def _peer_lost(self) -> tuple[int, str, int] | None:
         """After an exception that no process has reported: wait until every other rank beats once more (then the
         exception is this process's own: None) or a failure is reported. A peer that died without a word (an srun
         task a signal killed: no launcher of ours to say it) never beats again, and the watchdogs name it after
@@ -247,7 +247,9 @@ class Watchdog:
 
     def _progress(self) -> str:
         """'boundaries|loops|where the main thread is' (where: when the count has not moved since the last beat)."""
-        boundaries, loops = progress_count.boundaries, progress_count.loops
+        from starter.callbacks.batch_ticks import BatchTicks  # imported by the run already: Lightning is loaded
+
+        boundaries, loops = BatchTicks.boundaries, BatchTicks.loops
         at = main_thread_at() if boundaries == self.boundaries else ""
         self.boundaries = boundaries
         return f"{boundaries}|{loops}|{at}"

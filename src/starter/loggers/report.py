@@ -8,10 +8,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def write_run_outputs(run_dir: Path, metrics: dict[str, float]) -> None:
+def write_run_outputs(run_dir: Path, metrics: dict[str, float], monitor: str) -> None:
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if (run_dir / "metrics.csv").is_file():
-        plot_learning_curves(run_dir / "metrics.csv", run_dir / "learning_curves.png")
+        plot_learning_curves(run_dir / "metrics.csv", run_dir / "learning_curves.png", monitor)
     print(format_table(metrics), flush=True)
     log.info("run directory: %s", run_dir)
 
@@ -34,20 +34,21 @@ def read_metrics_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def plot_learning_curves(csv_path: Path, png_path: Path) -> None:
+def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
+    """The training and validation losses beside the monitored metric, by step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     series = read_metrics_csv(csv_path)
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_monitor) = plt.subplots(1, 2, figsize=(10, 4))
     for name in ("train/loss", "val/loss"):
         if name in series:
             ax_loss.plot(*zip(*series[name]), label=name, marker="o" if name == "val/loss" else None)
-    if "val/acc" in series:
-        ax_acc.plot(*zip(*series["val/acc"]), label="val/acc", marker="o")
-    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+    if monitor in series:
+        ax_monitor.plot(*zip(*series[monitor]), label=monitor, marker="o")
+    for ax, title in ((ax_loss, "loss"), (ax_monitor, monitor)):
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
         if ax.has_data():

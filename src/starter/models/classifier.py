@@ -9,7 +9,7 @@ Training labels are class indices, or soft targets (rows summing to 1) when the 
 cutmix); `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are the torchvision recipe's knobs of
 the same names. The warm-up scales the configured schedule's learning rate by a factor rising linearly from 0.01
 to 1 over its optimizer steps, applied around each step only, so the schedule itself (and its resume) is the
-configured one. `ema_decay` is read by run.py, which averages the weights with Lightning's EMAWeightAveraging.
+configured one.
 """
 
 from collections.abc import Callable
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
-from starter.logging_step import is_logging_step
+from starter.callbacks.logging_step import is_logging_step
 
 
 class SampleMean(Metric):
@@ -49,13 +49,12 @@ class Classifier(L.LightningModule):
         label_smoothing: float = 0.0,
         norm_weight_decay: float | None = None,  # null: norm layers decay like the rest
         lr_warmup_epochs: float = 0.0,
-        ema_decay: float | None = None,  # null: no weight averaging (run.py adds the callback otherwise)
     ):
         super().__init__()
         self.net = net
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
         self.label_smoothing, self.norm_weight_decay = float(label_smoothing), norm_weight_decay
-        self.lr_warmup_epochs, self.ema_decay = float(lr_warmup_epochs), ema_decay
+        self.lr_warmup_epochs = float(lr_warmup_epochs)
         self.val_loss, self.test_loss = SampleMean(), SampleMean()
         self.val_acc, self.test_acc = SampleMean(), SampleMean()  # accuracy: the mean of "the top class is right"
         self.top5 = num_classes > 5

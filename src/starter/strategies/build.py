@@ -6,8 +6,7 @@ import logging
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from starter.topology import Layout
-from starter.traits import Traits
+from starter.topology import Layout, Traits
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from starter.callbacks.logging_step import is_logging_step, steps_optimizer
 from starter.errors import UserError
-from starter.logging_step import is_logging_step, steps_optimizer
-from starter.topology import PIPELINE_SCHEDULES, stages_per_process
+from starter.strategies.pipeline_plan import PIPELINE_SCHEDULES, stages_per_process
 
 
 def pipelined_net(module: nn.Module) -> nn.Sequential:
@@ -81,8 +81,6 @@ class Pipelined:
     def __init__(self, *args, schedule: str = "1f1b", microbatches: int = 4, stages_per_rank: int | None = None,
                  **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
-        if schedule not in PIPELINE_SCHEDULES:  # checked before launch (preflight): for a strategy built in code
-            raise UserError(f"strategy.schedule={schedule}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
         self.schedule_name, self.microbatches = schedule, int(microbatches)
         self.stages_per_rank = stages_per_process(schedule, stages_per_rank)
         self.schedule = None

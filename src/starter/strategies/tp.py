@@ -1,21 +1,28 @@
 """Tensor parallel (Megatron style, DTensor): one layer's weights split over the ranks of a group.
 
-The plan is read off the net's structure, not written into it: an attention block's q, k and v projections
-are split column-wise (each rank computes its share of the heads) and its output projection row-wise (one
-all-reduce sums the partial outputs); a transformer MLP's first layer column-wise and second row-wise; in a
-plain stack of Linear layers, consecutive pairs likewise. The activation between a pair stays split, so each
-pair costs one all-reduce in forward and one in backward. Everything else (embedding, norms, the head) is
-replicated: every rank of the group sees the same batch and computes the same values for it.
-Nets made of such layers: `mlp`, `vit` (preflight.TENSOR_PARALLEL_NETS, checked before launch).
+The plan is read off the net's structure, not written into it, nor looked up by its class name: an attention
+block's q, k and v projections are split column-wise (each rank computes its share of the heads) and its output
+projection row-wise (one all-reduce sums the partial outputs); a transformer MLP's first layer (fc1) column-wise
+and second (fc2) row-wise; in a plain stack of Linear layers, consecutive pairs likewise. The activation between
+a pair stays split, so each pair costs one all-reduce in forward and one in backward. Everything else (embedding,
+norms, the head) is replicated: every rank of the group sees the same batch and computes the same values for it.
+A net may instead declare its own plan (torchtitan's per-model plans): a method `tensor_parallel_plan()` returning
+{submodule name: ColwiseParallel() | RowwiseParallel() | ...}.
 """
 
 from torch import nn
 
+from starter.errors import UserError
 from starter.strategies.model_parallel import OutsideModelParallel
+
+WHAT_SPLITS = ("attention blocks with Linear children q, k, v and proj, MLP blocks with fc1 and fc2, a Sequential"
+               " of Linear layers, or a tensor_parallel_plan() method of its own")  # fmt: skip
 
 
 def tensor_parallel_plan(net: nn.Module) -> dict:
-    """{submodule name: how to split it} for the layers of `net` that the rules above recognise."""
+    """{submodule name: how to split it}: the plan `net` declares, else the layers the rules above recognise."""
+    if callable(getattr(net, "tensor_parallel_plan", None)):
+        return dict(net.tensor_parallel_plan())
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
@@ -26,25 +33,56 @@ def tensor_parallel_plan(net: nn.Module) -> dict:
             plan |= {path(p): ColwiseParallel() for p in ("q", "k", "v")} | {path("proj"): RowwiseParallel()}
         elif {"fc1", "fc2"} <= children.keys():  # a transformer block's MLP
             plan |= {path("fc1"): ColwiseParallel(), path("fc2"): RowwiseParallel()}
-        elif module is net and isinstance(net, nn.Sequential):  # a stack of Linear layers: pairs
-            linears = [child for child, layer in children.items() if isinstance(layer, nn.Linear)]
-            for first, second in zip(linears[0:-1:2], linears[1::2]):
-                plan |= {path(first): ColwiseParallel(), path(second): RowwiseParallel()}
-    return plan
+        elif module is net and isinstance(net, nn.Sequential):  # Linear layers with only activations between: pairs
+            first = None
+            for child, layer in children.items():
+                if isinstance(layer, nn.Linear) and first is not None:
+                    plan |= {path(first): ColwiseParallel(), path(child): RowwiseParallel()}
+                    first = None
+                elif isinstance(layer, nn.Linear) or next(layer.parameters(), None) is not None:
+                    first = child if isinstance(layer, nn.Linear) else None
+    return {name: style for name, style in plan.items() if isinstance(net.get_submodule(name), nn.Linear)}
+
+
+def check_splits(net: nn.Module, plan: dict, size: int) -> None:
+    """Every split layer divides over `size` ranks, and so does every attention block's count of heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    for name, style in plan.items():
+        layer = net.get_submodule(name)
+        features = layer.out_features if isinstance(style, ColwiseParallel) else layer.in_features
+        if features % size:
+            raise UserError(f"{type(net).__name__}.{name} has {features} features, which do not split over {size}"
+                            f" tensor-parallel processes; use a multiple of {size}")  # fmt: skip
+    for name, module in net.named_modules():
+        head_dim = getattr(module, "head_dim", None)
+        if isinstance(head_dim, int) and isinstance(getattr(module, "q", None), nn.Linear):
+            heads = module.q.out_features // head_dim
+            if heads % size:
+                raise UserError(f"{type(net).__name__}.{name} has {heads} attention heads, which do not split over"
+                                f" {size} tensor-parallel processes; use a multiple of {size}")  # fmt: skip
 
 
 def apply_tensor_parallel(module: nn.Module, mesh) -> None:
-    """Split the layers of every net inside `module` (the LightningModule) over the ranks of `mesh`."""
-    for child in module.children():
-        split_layers(child, mesh)
+    """Split the layers of every net inside `module` (the LightningModule) over the ranks of `mesh`; a module whose
+    nets have nothing to split is refused."""
+    nets = [child for child in module.children() if next(child.parameters(), None) is not None]
+    if not any(split_layers(net, mesh) for net in nets):
+        names = ", ".join(type(net).__name__ for net in nets) or f"{type(module).__name__} (no net)"
+        raise UserError(f"tensor parallel found nothing to split in {names}: it needs {WHAT_SPLITS}; train it with"
+                        " strategy=fsdp or ddp instead")  # fmt: skip
 
 
-def split_layers(net: nn.Module, mesh) -> None:
-    """Split the layers of `net` (a net, or a pipeline stage of one) that the plan recognises over `mesh`."""
+def split_layers(net: nn.Module, mesh) -> bool:
+    """Split the layers of `net` (a net, or a pipeline stage of one) that its plan names over `mesh`; False where
+    the plan is empty."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if plan := tensor_parallel_plan(net):
-        parallelize_module(net, mesh, plan)
+    if not (plan := tensor_parallel_plan(net)):
+        return False
+    check_splits(net, plan, mesh.size())
+    parallelize_module(net, mesh, plan)
+    return True
 
 
 class TensorParallelStrategy(OutsideModelParallel):

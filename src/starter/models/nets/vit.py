@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from starter.errors import UserError
+
 
 class PatchEmbedding(nn.Module):
     """Image -> sequence: non-overlapping patches projected to `dim`, a class token in front, learned positions."""
@@ -10,11 +12,17 @@ class PatchEmbedding(nn.Module):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not a multiple of the patch size {patch_size}")
+        self.image_size = image_size
         self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.randn(1, (image_size // patch_size) ** 2 + 1, dim) * 0.02)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[-2:] != (self.image_size, self.image_size):  # shapes are known on the host: no sync
+            size = f"{self.image_size}x{self.image_size}"
+            raise UserError(f"the net takes {size} images only (its position embedding: model.net.image_size) but was"
+                            f" given {images.shape[-2]}x{images.shape[-1]}; crop the data to {size}"
+                            " (data.train_crop_size, data.val_crop_size), or change data.image_shape")  # fmt: skip
         tokens = self.proj(images).flatten(2).transpose(1, 2)  # (N, patches, dim)
         tokens = torch.cat([self.cls_token.expand(len(tokens), -1, -1), tokens], dim=1)
         return tokens + self.pos_embed

@@ -29,7 +29,7 @@ SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 def fork_server(preload: tuple[str, ...]):
     """The multiprocessing context whose processes this process's fork server forks; started on the first call."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*preload, "starter.fork_server_exit"])
+    context.set_forkserver_preload([*preload, "starter.launch.fork_server_exit"])
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
     try:
         with _python_path(sys.path):

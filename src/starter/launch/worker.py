@@ -1,9 +1,12 @@
-"""One process of a multi-process run: `forked(env, RUN_DIR/config.yaml)`, started by launch/launcher.py from its
-fork server, or `python -m starter.worker RUN_DIR/config.yaml` with the torch.distributed environment set.
+"""One process of a multi-process run: `forked(env, RUN_DIR/config.yaml, port_to, job)`, started by
+launch/launcher.py (from its fork server, or spawned) with the torch.distributed environment set.
 
-Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given.
+Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given: `job` names
+the function that runs one process's part ("starter.run:run", given by main.py, which this layer does not import).
 """
 
+import atexit
+import importlib
 import logging
 import multiprocessing
 import os
@@ -13,27 +16,30 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.fork_server import SERVER_IGNORES
+from starter.launch.fork_server import SERVER_IGNORES
 from starter.launch.launcher import join_rendezvous, name_process
-from starter.launch.quick_exit import quick_exit
 from starter.launch.watchdog import Watchdog
 
-# What the launcher's fork server imports once, before it forks any worker: torch and Lightning; none of it asks
-# CUDA anything (a CUDA driver initialised before a fork fails in the forked workers).
-PRELOAD = ("starter.worker", "starter.run")
 
-
-def forked(env: dict, config_path: str, port_to=None) -> None:
-    """A worker forked by the launcher's fork server, which has imported torch and Lightning already."""
+def forked(env: dict, config_path: str, port_to, job: str) -> None:
+    """A worker started by the launcher: forked by its fork server (torch and Lightning imported already), or
+    spawned (a fresh interpreter)."""
     for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
         signal.signal(signum, signal.SIG_DFL)
     multiprocessing.set_start_method(None, force=True)  # what else it starts: the platform's way, not the server's
     os.environ.clear()
     os.environ.update(env)
-    sys.exit(main(config_path, port_to))
+    try:
+        code = main(config_path, port_to, job)
+    except SystemExit as stop:
+        code = stop.code
+    # After multiprocessing's own end of the process, no teardown: a forked worker ends so anyway, a spawned one
+    # would free every module first (the exit hooks run last registered first).
+    atexit.register(os._exit, code)
+    sys.exit(code)
 
 
-def main(config_path: str, port_to=None) -> int:
+def main(config_path: str, port_to, job: str) -> int:
     rank = int(os.environ.get("RANK", 0))
     name_process(f"rank {rank}")
     cfg = OmegaConf.load(config_path)
@@ -47,7 +53,8 @@ def main(config_path: str, port_to=None) -> int:
     )
     import torch
 
-    from starter.run import run  # torch and Lightning: imported already where the fork server forked this
+    module, name = job.split(":")
+    run = getattr(importlib.import_module(module), name)  # torch and Lightning: imported already where forked
 
     if threads := os.environ.get("OMP_NUM_THREADS"):  # read by OpenMP when torch loaded: maybe in the fork server
         torch.set_num_threads(int(threads))
@@ -64,11 +71,6 @@ def main(config_path: str, port_to=None) -> int:
 
 
 def _launcher_pid() -> int | None:
-    """Our launcher's pid (launcher.py sets it), which a worker watches; None under `python -m starter.worker`."""
+    """Our launcher's pid (launcher.py sets it), which a worker watches."""
     pid = os.environ.get("STARTER_LAUNCHER_PID")
     return int(pid) if pid else None
-
-
-if __name__ == "__main__":
-    with quick_exit():
-        sys.exit(main(sys.argv[1]))
