@@ -1,6 +1,6 @@
 """Host-device synchronisations and collectives per training step, logging steps and the others apart.
 
-    python -m benchmarks.host_syncs [train.py overrides ...]     e.g. strategy=fsdp devices=2 accelerator=cpu
+    python -m benchmarks.host_syncs [--json=FILE] [train.py overrides ...]   e.g. strategy=fsdp devices=2
 
 Trains with `python train.py OVERRIDES` and a callback that counts, from one training batch's start to the
 next (so every hook of the loop is inside), in each rank:
@@ -10,7 +10,7 @@ next (so every hook of the loop is inside), in each rank:
   (torch's optimizers read CPU-resident step counters), and collectives other than the all-gathers and
   reduce-scatters that the mode needs (`all_reduce`, `broadcast`, `barrier`, ...). DDP's gradient all-reduce
   runs in C++ and is not seen.
-Prints the counts and the places they come from; writes results/host_syncs.json.
+Prints the counts and the places they come from; adds them to results/host_syncs.json (or writes FILE).
 """
 
 import json
@@ -146,8 +146,12 @@ def count(overrides: list[str], scratch: Path) -> dict[str, dict]:
 
 
 def main() -> None:
-    overrides = sys.argv[1:]
+    own = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--json=")]
+    overrides = [a for a in sys.argv[1:] if not a.startswith("--json=")]
     result = count(overrides, Path(tempfile.mkdtemp(prefix="host-syncs-")))
+    if own:
+        Path(own[0]).write_text(json.dumps(result, indent=1) + "\n")
+        return
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "host_syncs.json"
     runs = json.loads(path.read_text()) if path.exists() else {}

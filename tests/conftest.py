@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from benchmarks.common import compose_config  # noqa: F401 (the tests' way to compose, shared with benchmarks)
 from starter.data.mnist import write_idx
 from starter.launch.run_name import run_name
 
@@ -31,6 +30,34 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 PROBES = {"PYTHONPATH": str(ROOT / "tests")}  # the environment of a run that adds callbacks from tests/probes.py
+
+
+def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False):
+    """The config train.py would run with these overrides, its run directory `run_dir` (under log_dir
+    `run_dir.parent`), resolvable outside a Hydra run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve
+    with open_dict(cfg):
+        cfg.paths.output_dir, cfg.paths.log_dir = str(run_dir), str(Path(run_dir).parent)
+        if not keep_hydra:
+            del cfg.hydra
+    return cfg
+
+
+def host_syncs(overrides: list[str], tmp_path: Path) -> dict[str, dict]:
+    """{rank: counts} of `python train.py OVERRIDES` as benchmarks/host_syncs.py measures them (run, not imported)."""
+    output = tmp_path / "host_syncs.json"
+    command = [sys.executable, "-m", "benchmarks.host_syncs", f"--json={output}", *overrides]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(output.read_text())
 
 
 def free_port() -> int:
@@ -258,10 +285,12 @@ class Planted:
         return print, ("CODE FROM THE CHECKPOINT RAN",)
 
 
-def as_rank(datamodule, world: int, rank: int):
-    """A DataModule as rank `rank` of `world` processes sees it, without starting them."""
+def as_rank(datamodule, world: int, rank: int, global_rank: int | None = None, processes: int | None = None):
+    """A DataModule as the process of data-parallel rank `rank` of `world` sees it, without starting them; a process
+    of a tensor-parallel group or pipeline has a global rank of its own among more `processes`."""
     strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world, "rank": rank})
-    datamodule.trainer = SimpleNamespace(world_size=world, global_rank=rank, strategy=strategy)
+    datamodule.trainer = SimpleNamespace(world_size=processes or world, strategy=strategy,
+                                         global_rank=rank if global_rank is None else global_rank)  # fmt: skip
     return datamodule
 
 

@@ -58,12 +58,6 @@ def test_step_profile_traces_train_py_and_the_hand_loop(tmp_path):
         assert any(e.get("cat") == "cpu_op" for e in events)
 
 
-def test_merged_length_counts_overlaps_once():
-    from benchmarks.step_profile import merged_length
-
-    assert merged_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
-
-
 def test_folder_epoch_times_the_image_folder_against_images_on_the_device(tmp_path):
     run_benchmark("benchmarks.folder_epoch", "--tiny", "--accelerator", "cpu", "--results", str(tmp_path))
     rates = json.loads((tmp_path / "folder_epoch_tiny.json").read_text())

@@ -204,17 +204,17 @@ def test_dp_with_compile_is_refused_in_one_line(gpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_under_ddp_spawn_compiles_in_each_spawned_process(tmp_path):
-    # A compiled module cannot be pickled to spawned processes ("Can't pickle <function Module._call_impl>"):
-    # the model is compiled where it trains. The eager backend keeps the test fast; the path is inductor's too.
+def test_compile_under_ddp_compiles_in_each_process_that_trains(tmp_path):
+    # The model is compiled where it trains, after the strategy set the process up (a compiled module cannot be
+    # pickled to another process). The eager backend keeps the test fast; the path is inductor's too.
     probe = tmp_path / "probe"
-    proc = train(tmp_path, "strategy=ddp_spawn", "devices=2", "compile=true", "+compile_options.backend=eager",
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "compile=true", "+compile_options.backend=eager",
                  *SHORT, "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
                  "+callbacks.probe._target_=probes.RecordCompiledGraphs", f"+callbacks.probe.output={probe}",
                  env=PROBES)  # fmt: skip
     ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["graphs"] > 0 for r in ranks)  # each training process ran a compiled forward
-    assert ranks[0]["parent"] == ranks[1]["parent"] not in {r["pid"] for r in ranks}  # both spawned by train.py
+    assert ranks[0]["parent"] == ranks[1]["parent"] not in {r["pid"] for r in ranks}  # both from one fork server
     assert "Traceback" not in proc.stderr
 
 
@@ -234,3 +234,15 @@ print(asked, torch.cuda.is_initialized(), "lightning.pytorch" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[0] == "[] False True"
+
+
+def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_the_store(capsys):
+    from starter.launch.watchdog import client, failure, report, serve_store
+
+    served = serve_store("127.0.0.1")
+    other = client("127.0.0.1", served.port, timeout_s=5)
+    assert failure(other) is None
+    assert report(served, 2, "rank 1 (node 1): no data", node=1)  # the first: written, and said
+    assert not report(other, 1, "rank 0 (node 0): a broken collective", node=0)  # later ones: neither
+    assert failure(other) == (2, "rank 1 (node 1): no data", 1)
+    assert capsys.readouterr().err == "error: rank 1 (node 1): no data\n"

@@ -66,15 +66,16 @@ class RandomCrops(torch.utils.data.Dataset):
 
 
 def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations(monkeypatch):
-    # Two processes of one tensor-parallel group (or pipeline): one data-parallel place, global ranks 0 and 1. The
-    # trainer seeds loader workers as Lightning does (seed_everything(workers=True)), from the global rank unless
-    # the loader brings its own; and each process's global generator has drawn differently by then.
+    # Two processes of one tensor-parallel group (or pipeline) of 4 processes in 2 groups: data-parallel place 1,
+    # global ranks 2 and 3. The trainer seeds loader workers as Lightning does (seed_everything(workers=True)), from
+    # the global rank unless the loader brings its own; and each process's global generator has drawn differently.
     from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
     drawn = []
-    for global_rank in (0, 1):
-        dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=1), 1, 0)
+    for global_rank in (2, 3):
+        data = SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=1)
+        dm = as_rank(data, world=2, rank=1, global_rank=global_rank, processes=4)
         dm.train_set = RandomCrops()
         torch.manual_seed(global_rank)
         loader = dm.train_dataloader()

@@ -3,18 +3,10 @@
 import json
 import multiprocessing
 import os
-from pathlib import Path
 
-import lightning as L
 import pytest
-import torch
-from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import SumMetric
 
-from conftest import CONF, PROBES, read_metrics, run_dirs, train
-from starter.strategies.build import build_strategy
-from starter.topology import Layout
+from conftest import PROBES, read_metrics, run_dirs, train
 
 pytestmark = pytest.mark.slow
 RECORD_PROCESS = [
@@ -28,12 +20,12 @@ def test_two_processes_match_one_process_in_one_run_directory(strategy, default_
     proc = train(tmp_path, f"strategy={strategy}", "devices=2", "accelerator=cpu", *RECORD_PROCESS, env=PROBES)
     (run_dir,) = run_dirs(tmp_path)  # one directory, however many processes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
-    if strategy == "ddp":  # forked from the launcher's fork server, each worker is set up as a process of its own
-        threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // 2)))
-        for rank in (0, 1):
-            process = json.loads((run_dir / "process" / f"rank{rank}.json").read_text())
-            assert process == {"name": f"rank {rank}", "threads": threads,
-                               "start_method": multiprocessing.get_start_method(), "RANK": str(rank)}  # fmt: skip
+    # forked from the launcher's fork server (ddp) or spawned (ddp_spawn), each worker is set up as a process of its own
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // 2)))
+    for rank in (0, 1):
+        process = json.loads((run_dir / "process" / f"rank{rank}.json").read_text())
+        assert process == {"name": f"rank {rank}", "threads": threads,
+                           "start_method": multiprocessing.get_start_method(), "RANK": str(rank)}  # fmt: skip
 
     single = read_metrics(default_run[1])
     multi = read_metrics(run_dir)
@@ -59,35 +51,3 @@ def test_worker_error_stops_all_workers_with_one_message(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rank 0 (node 0): MNIST not found in {tmp_path / 'none'}")
-
-
-class CountSamples(L.LightningModule):
-    """Counts test samples with a torchmetrics SumMetric; writes each rank's own count before the sync."""
-
-    def __init__(self, out_dir: Path):
-        super().__init__()
-        self.layer, self.count, self.out_dir = torch.nn.Linear(1, 1), SumMetric(), out_dir
-
-    def test_step(self, batch, batch_idx):
-        self.count.update(torch.ones(len(batch[0])))
-        self.log("samples", self.count)
-
-    def on_test_epoch_end(self):
-        (self.out_dir / f"rank{self.global_rank}").write_text(str(int(self.count.sum_value)))
-
-
-def test_ddp_spawn_ranks_do_not_share_metric_states(tmp_path, monkeypatch):
-    # mp.spawn passes tensors in shared memory. Lightning unshares parameters and buffers, not torchmetrics
-    # states: with its plain DDPStrategy both ranks add into one tensor (each rank "counts" 10, the sync says 20)
-    # and an unsynchronised += can lose a batch. The ddp_spawn config's strategy gives each rank its own.
-    strategy = build_strategy(
-        OmegaConf.load(CONF / "strategy" / "ddp_spawn.yaml"), Layout(nodes=1, processes_per_node=2)
-    )
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    data = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-    trainer.test(CountSamples(tmp_path), data, verbose=False)
-    assert "MASTER_PORT" not in os.environ  # its own port is not left for the runs this process starts later
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["5", "5"]
-    assert trainer.callback_metrics["samples"] == 10

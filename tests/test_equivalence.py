@@ -34,10 +34,6 @@ def test_ddp_on_two_processes_matches_one_process(reference, ddp):
     assert max_difference(reference, ddp) <= 1e-5
 
 
-def test_ddp_spawn_matches_ddp(ddp, tmp_path):
-    assert max_difference(ddp, weights(tmp_path, "strategy=ddp_spawn", "devices=2")) <= 1e-5
-
-
 def test_gradient_accumulation_of_two_half_batches_matches_the_full_batch(reference, tmp_path):
     # Two micro-batches of 32 are the two halves of each 64-batch (same sampler order); Lightning divides
     # each half's loss by 2, so the summed gradient is the full batch's mean gradient.
@@ -65,7 +61,7 @@ def single_eval(trained, tmp_path_factory):
     return read_metrics(run_dirs(tmp_path)[0])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "fsdp", "tp", "pp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "pp"])
 def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, single_eval, strategy, tmp_path):
     train(tmp_path, "train=false", f"ckpt_path={trained}", f"strategy={strategy}", "devices=2", "accelerator=cpu")
     metrics = read_metrics(run_dirs(tmp_path)[0])

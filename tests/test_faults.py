@@ -16,7 +16,6 @@ from conftest import (
     PROBES,
     QUIET,
     ROOT,
-    environ_of,
     free_port,
     kill_with_descendants,
     on_cpu,
@@ -148,6 +147,46 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
 
 
+FORWARDS = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from probes import wait_for_a_stop_signal
+from starter.launch.launcher import WorkerFailed, launch_workers
+from starter.topology import Layout
+
+stop_signals = sys.argv[2:]
+for name in stop_signals:  # one launch per signal, as a scheduler would send it to the job's train.py
+    run = Path(sys.argv[1]) / name
+    run.mkdir()
+
+    def send(run=run, name=name):
+        while len(list(run.glob("ready*"))) < 2:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.Signals[name])
+
+    threading.Thread(target=send).start()
+    try:
+        launch_workers(wait_for_a_stop_signal, "", ("probes",), run / "config.yaml", Layout(1, 2),
+                       stop_signals=stop_signals)
+    except WorkerFailed as failed:
+        print(name, failed.exit_code, failed.message, flush=True)
+"""
+
+
+def test_every_stop_signal_the_launcher_gets_reaches_every_worker(tmp_path):
+    # Which signal a scheduler sends before it ends a job varies (SIGTERM; sbatch --signal: SIGUSR1; a time-out
+    # warning: SIGUSR2): the launcher forwards each of `stop_signals` to each worker (which saves and exits 143).
+    signals = ["SIGTERM", "SIGUSR1", "SIGUSR2"]
+    out = subprocess.run([sys.executable, "-c", FORWARDS, str(tmp_path), *signals], capture_output=True, text=True,
+                         env=with_env(PROBES), timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in signals:
+        assert [(tmp_path / name / f"rank{rank}").read_text() for rank in (0, 1)] == [name, name]
+        assert (
+            f"{name} 143 stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last" in out.stdout
+        )
+
+
 def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_stop(tmp_path):
     # A SIGKILLed launcher (kill -9, the OOM killer) can neither forward a signal nor collect its workers, which
     # would train on with nobody to stop them: each sees it gone and stops as on SIGTERM, every rank at one step.
@@ -169,12 +208,20 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
 QUICK_EXIT = """
 import atexit, sys, threading, time
 from pathlib import Path
-from starter.launch.quick_exit import quick_exit
-atexit.register(lambda: Path(sys.argv[1]).write_text(Path(sys.argv[1]).read_text() + ", the exit hooks ran"))
-threading.Thread(target=lambda: time.sleep(0.3) or Path(sys.argv[1]).write_text("a thread wrote")).start()
-with quick_exit():
+from starter.errors import end_without_teardown
+
+def main():
+    atexit.register(lambda: Path(sys.argv[1]).write_text(Path(sys.argv[1]).read_text() + ", the exit hooks ran"))
+    threading.Thread(target=lambda: time.sleep(0.3) or Path(sys.argv[1]).write_text("a thread wrote")).start()
     sys.stdout.write("buffered, no newline")
     raise SystemExit(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
+
+class Teardown:
+    def __del__(self):  # freed in the interpreter's teardown, which the process does not reach
+        Path(sys.argv[1]).write_text(Path(sys.argv[1]).read_text() + ", torn down")
+
+kept = Teardown()
+end_without_teardown(main)
 """
 
 
@@ -182,7 +229,7 @@ with quick_exit():
 def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_output_threads_and_exit_hooks(
     code, exit_code, tmp_path
 ):
-    # train.py and ddp_spawn's ranks end so (launch/quick_exit.py): 1.5-2.5 s sooner where Lightning is imported.
+    # train.py ends so (errors.end_without_teardown): 1.5-2.5 s sooner where Lightning is imported.
     env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
     out = subprocess.run([sys.executable, "-c", QUICK_EXIT, str(tmp_path / "hooks"), code], capture_output=True,
                          text=True, env=env, timeout=60)  # fmt: skip
@@ -193,7 +240,6 @@ def test_a_process_that_skips_the_interpreters_teardown_keeps_its_exit_code_outp
 
 def test_two_ddp_runs_at_once_do_not_collide(tmp_path, monkeypatch):
     # Rank 0 of each run serves its rendezvous store on a port the OS gave it and holds (no MASTER_PORT given);
-    # ddp_spawn's parent does the same (strategies/spawn.py), exercised by every ddp_spawn run.
     monkeypatch.delenv("MASTER_PORT", raising=False)
     procs = [start(tmp_path / name, "strategy=ddp", "devices=2", "accelerator=cpu", "debug=limit")
              for name in ("a", "b") if not (tmp_path / name).mkdir()]  # fmt: skip
@@ -217,7 +263,7 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
     assert not list(tmp_path.glob("logs/**/*.ckpt")) and not list(tmp_path.glob("logs/**/model.pt"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])  # our launcher's workers; torch.multiprocessing's
+@pytest.mark.parametrize("strategy", ["ddp"])
 def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_every_rank_exits_1(strategy, tmp_path):
     proc = train(tmp_path, f"strategy={strategy}", "devices=2", "debug=limit",
                  "+callbacks.bug._target_=probes.RaiseAtStep", "+callbacks.bug.step=2", "+callbacks.bug.rank=1",
@@ -316,22 +362,44 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
 
 
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
-    # The data exists on node 0's disk (its working directory holds data/), not on node 1's.
+    # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's rank meets it
+    # in setup, while node 0's rank waits for it in a collective.
     (tmp_path / "node1").mkdir()
     data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20"]
     port = free_port()
     nodes = [start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)]
     codes, ended, lines = exits(nodes)
     assert codes == [2, 2] and max(ended) - min(ended) < 60, (codes, ended)
-    (line,) = lines  # once, by the rank that met it, though node 0's rank waited for it in a collective
-    assert line.startswith("error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false")
+    # said once on each node: by the rank that met it, and by node 0's launcher, which read it from the run's store
+    said = "error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false"
+    assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
+
+
+def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s_cause(tmp_path):
+    # An image folder is read before launch (its class count): node 1's disk lacks it. Node 0 reads node 1's line
+    # from the store the nodes share, says it, and exits 2 without waiting for node 1's ranks.
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / "images" / split / label).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(tmp_path / "images" / split / label / f"{i}.png")
+    (tmp_path / "node1").mkdir()
+    data = ["data=imagenet", "data.root=images", "data.image_shape=[3,8,8]", "data.batch_size=4"]
+    port = free_port()
+    nodes = [start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)]
+    codes, ended, lines = exits(nodes)
+    assert codes == [2, 2] and max(ended) - min(ended) < 15, (codes, ended)  # not node 1's ranks' heartbeat timeout
+    said = "error: node 1: no directory images/train: data.num_classes is read from its class folders"
+    assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
 
 
 @pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
-                                               ("srun", "SIGKILL"), ("ddp_spawn", "SIGSTOP")])  # fmt: skip
+                                               ("srun", "SIGKILL")])  # fmt: skip
 def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):
     # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it, and
-    # kills it where no launcher of ours would (srun's task, torch's spawned process: each would wait for it). An
+    # kills it where no launcher of ours would (srun's task: srun would wait for it). An
     # srun task a signal killed has no launcher of ours to say so: rank 0 finds it the same way.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
     if launched_by == "srun":  # one task per rank, each a train.py of its own; no launcher of ours
@@ -341,25 +409,21 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
                  MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                  text=True) for rank in (0, 1)]  # fmt: skip
         stopped, node = procs[1].pid, 0
-    elif launched_by == "ddp_spawn":
-        procs, node = [start(tmp_path, "strategy=ddp_spawn", "devices=2", "accelerator=cpu", *long)], 0
     else:
         procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
     wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    if launched_by == "ddp_spawn":  # the store train.py serves for the ranks it spawned
-        stopped = worker_of_rank(procs[0], 1)
-        port = int(environ_of(stopped)["MASTER_PORT"])
     wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
     victim = stopped if launched_by != "our launcher on two nodes" else worker_of_rank(procs[1], 1)
     os.kill(victim, signal.Signals[fault])
     stopped_at = time.monotonic()
     codes, ended, lines = exits(procs, timeout=60)
     # within heartbeat_timeout_s + a heartbeat or two; the stopped rank killed at once (a SIGKILLed one: killed)
-    expected = {"srun": [124, -9], "ddp_spawn": [124]}.get(launched_by, [124, 124])
+    expected = {"srun": [124, -9]}.get(launched_by, [124, 124])
     assert codes == expected and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at, lines)
     assert gone(victim)
-    assert lines == [f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost);"
-                     " every process of the run stops"]  # fmt: skip
+    said = f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost); every process of"
+    # once by rank 0, which found it; on two nodes node 1's launcher says it too (read from the run's store)
+    assert lines == [f"{said} the run stops"] * (2 if launched_by == "our launcher on two nodes" else 1)
 
 
 def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):

@@ -10,6 +10,7 @@ processes, four at a time on the one GPU, started once for the whole module.
 
 import json
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import train_command
-from benchmarks.host_syncs import count
+from conftest import ROOT, host_syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]  # fmt: skip
@@ -53,8 +53,8 @@ EXTRAS = {
 
 def train_on_gpu(overrides: list[str], scratch: Path) -> dict:
     log_dir = scratch / str(time.time_ns())
-    proc = subprocess.run(train_command(*ONE_GPU, *overrides, f"paths.log_dir={log_dir}"), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *ONE_GPU, *overrides, f"paths.log_dir={log_dir}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     metrics = next(log_dir.glob("**/metrics.json"), None)
     return {"code": proc.returncode, "stderr": proc.stderr[-3000:],
             "metrics": json.loads(metrics.read_text()) if proc.returncode == 0 and metrics else {}}  # fmt: skip
@@ -86,7 +86,7 @@ def test_gpu_extras_train(outcomes, name):
 
 
 def test_non_logging_training_step_makes_no_host_sync_on_cuda(tmp_path):
-    syncs = count([*CNN, "accelerator=gpu", "devices=1", "precision=bf16-mixed", "channels_last=true",
+    syncs = host_syncs([*CNN, "accelerator=gpu", "devices=1", "precision=bf16-mixed", "channels_last=true",
                    "data.train_size=1024", "trainer.enable_progress_bar=true"], tmp_path)["rank0"]  # fmt: skip
     assert syncs["non_logging_steps"] >= 10
     assert syncs["syncs_per_non_logging_step"] == 0, syncs["non_logging_sites"]

@@ -4,7 +4,7 @@ counts with torch.cuda.set_sync_debug_mode)."""
 
 import pytest
 
-from benchmarks.host_syncs import count
+from conftest import host_syncs
 
 pytestmark = pytest.mark.slow
 # Lightning 2.6 itself broadcasts a SIGTERM flag from rank 0 and reads it after every training step when
@@ -15,8 +15,8 @@ LIGHTNING_SIGTERM_BROADCAST = "lightning/pytorch/loops/training_epoch_loop.py"
 
 @pytest.mark.parametrize("strategy,devices", [("auto", 1), ("ddp", 2), ("fsdp", 2)])
 def test_steps_that_are_not_logging_steps_make_no_host_sync_and_no_collective(strategy, devices, tmp_path):
-    counts = count([f"strategy={strategy}", f"devices={devices}", "accelerator=cpu", "trainer.enable_progress_bar=true",
-                    "trainer.enable_model_summary=false"], tmp_path)  # fmt: skip
+    run = [f"strategy={strategy}", f"devices={devices}", "accelerator=cpu", "trainer.enable_progress_bar=true"]
+    counts = host_syncs([*run, "trainer.enable_model_summary=false"], tmp_path)
     assert sorted(counts) == [f"rank{r}" for r in range(devices)]
     for summary in counts.values():
         assert summary["non_logging_steps"] >= 10 and summary["logging_steps"] == 1  # steps 3-17 of 19

@@ -14,16 +14,16 @@ def test_local_submitit_launcher_runs_ddp_jobs(tmp_path):
 
 
 def test_slurm_launcher_takes_nodes_and_devices_and_lets_slurm_start_the_ranks(tmp_path, monkeypatch):
-    from starter.launch.launcher import needs_launch
+    from starter.launch.environment import launched_by
     from starter.topology import Layout
 
     cfg = compose_config(["launcher=slurm", "strategy=ddp", "devices=4", "num_nodes=2"], tmp_path, keep_hydra=True)
     launcher = cfg.hydra.launcher
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
     assert launcher.max_num_timeout == 3 and launcher._target_.endswith("SlurmLauncher")
-    assert needs_launch(cfg, Layout.of(cfg))  # on a login node: our launcher would start the workers
+    assert launched_by(Layout.of(cfg).world, multi_process=True) == "ours"  # on a login node: our launcher would
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    assert not needs_launch(cfg, Layout.of(cfg))  # inside the SLURM job: SLURM started all 8 ranks
+    assert launched_by(Layout.of(cfg).world, multi_process=True) == "slurm"  # inside the job: SLURM started all 8
 
 
 def test_local_launcher_lets_each_job_see_its_gpus(tmp_path):

@@ -284,7 +284,6 @@ def test_the_tensor_parallel_plan_is_read_off_the_structure_or_declared_and_a_ne
     from hydra.utils import instantiate
     from mine.nets import Residual
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torchvision.models import resnet18
 
     from starter.errors import UserError
     from starter.strategies.tp import apply_tensor_parallel, check_splits, tensor_parallel_plan
@@ -302,9 +301,14 @@ def test_the_tensor_parallel_plan_is_read_off_the_structure_or_declared_and_a_ne
             return {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
     assert set(tensor_parallel_plan(Declares())) == {"up", "down"}
-    lacks = "nothing to split in ResNet: it needs attention blocks with Linear children q, k, v and proj, MLP blocks"
-    with pytest.raises(UserError, match=f"tensor parallel found {lacks} with fc1 and fc2"):
-        apply_tensor_parallel(torch.nn.Sequential(resnet18(num_classes=10)).train(), mesh=None)
+
+    class Convolutions(torch.nn.Sequential):  # no Linear layer at all
+        def __init__(self):
+            super().__init__(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 10, 6), torch.nn.Flatten())
+
+    lacks = "nothing to split in Convolutions: it needs attention blocks with Linear children q, k, v and proj"
+    with pytest.raises(UserError, match=f"tensor parallel found {lacks}, MLP blocks with fc1 and fc2"):
+        apply_tensor_parallel(torch.nn.Sequential(Convolutions()), mesh=None)
     vit = instantiate(compose_config(["model=vit"], own / "run").model.net)  # 4 heads of 24 features
     with pytest.raises(UserError, match="has 4 attention heads, which do not split over 3 tensor-parallel processes"):
         check_splits(vit, tensor_parallel_plan(vit), 3)

@@ -7,6 +7,7 @@ server) is imported only where several processes start.
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -47,9 +48,11 @@ def main(cfg: DictConfig) -> float | None:
     except UserError as err:
         if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
             from starter.launch.launcher import node_store
-            from starter.launch.watchdog import report
+            from starter.launch.watchdog import linger_s, report
 
             report(node_store(), USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", _node_rank())
+            if _node_rank() == 0 and node_store() is not None:
+                time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
         else:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT_CODE) from None

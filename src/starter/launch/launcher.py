@@ -213,7 +213,8 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
             return
         polls += 1
         if store is not None and polls % 5 == 0 and (found := _reported(store)):
-            raise WorkerFailed(found[1], found[0], reported=True)  # this node's workers may be unable to leave
+            # this node's workers may be unable to leave; another node's failure is said here too
+            raise WorkerFailed(found[1] if found[2] != first_rank // per_node else None, found[0], reported=True)
         time.sleep(0.2)
 
 

@@ -131,7 +131,8 @@ class Classifier(L.LightningModule):
         their own."""
         if self.norm_weight_decay is None:
             return self.parameters()
-        norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+        norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                 nn.InstanceNorm3d, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)  # fmt: skip
         norm = [p for m in self.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)]
         ids = {id(p) for p in norm}
         rest = [p for p in self.parameters() if id(p) not in ids]

@@ -22,6 +22,7 @@ from starter.strategies.tp import apply_tensor_parallel, split_layers
 # fewer collectives.
 DEFAULT_UNITS = ("BasicBlock", "Bottleneck", "Block", "Linear", "Conv2d")
 MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # what parameters are computed with
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Module]:
@@ -65,7 +66,7 @@ def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_aft
         # input left as it comes (batch norm takes half-precision input with fp32 weights)
         norm = dict(kwargs, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False))
         for root in roots:
-            for batch_norm in [m for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            for batch_norm in [m for m in root.modules() if isinstance(m, BATCH_NORMS)]:
                 fully_shard(batch_norm, **norm)
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -110,10 +111,6 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
             move_state_but_parameters(self.model, self.root_device)  # metrics, buffers: where the batch is
         else:
             self.model_to_device()
-
-    @property
-    def optimizer_state_on_device(self) -> bool:
-        return not self.cpu_offload
 
     def parallelize_whole(self, module: nn.Module) -> None:
         # torchtitan's order: tensor parallel, then activation checkpointing, then FSDP.

@@ -11,8 +11,6 @@ import shutil
 import time
 from pathlib import Path
 
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -23,14 +21,14 @@ from starter.topology import Layout
 
 class OutsideModelParallel(ModelParallelStrategy):
     def __init__(self, layout: Layout, save_distributed_checkpoint: bool = True, **kwargs):
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        # Lightning's device mesh: (data parallel, tensor parallel), their product the world size (a pipeline's
+        # stages count as data parallel to it; a pipelined strategy meshes its processes itself)
+        tensor_parallel = layout.tensor_parallel
+        super().__init__(data_parallel_size=layout.world // tensor_parallel, tensor_parallel_size=tensor_parallel,
+                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)  # fmt: skip
         self.layout = layout  # the process sizes (topology.py), computed once before launch
+        self.sharded_checkpoints = save_distributed_checkpoint
         self.parallelized = False  # fit, then test in the same process: parallelize once
-
-    def mesh_sizes(self) -> tuple[int, int]:
-        """(data parallel, tensor parallel) sizes of Lightning's device mesh; their product is the world size (a
-        pipeline's stages count as data parallel to the mesh, which the pipeline does not use)."""
-        return self.layout.world // self.layout.tensor_parallel, self.layout.tensor_parallel
 
     def parallelize(self, module: nn.Module) -> None:
         """Apply this strategy's parallelism to `module` (the LightningModule, on its device) in place."""
@@ -40,18 +38,10 @@ class OutsideModelParallel(ModelParallelStrategy):
         """Move the module to its device before `parallelize` (fsdp's CPU offload places it otherwise)."""
         self.model_to_device()
 
-    @property
-    def optimizer_state_on_device(self) -> bool:
-        return True
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size, self._tensor_parallel_size = self.mesh_sizes()
-        super().setup_environment()
-
     def setup(self, trainer) -> None:
-        # ModelParallelStrategy.setup, with `parallelize` instead of the module's configure_model.
+        # ModelParallelStrategy.setup, with `parallelize` instead of the module's configure_model (the module is
+        # built on its device, never on the meta device; the optimizers have no state yet)
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.place()
         if not self.parallelized:
@@ -61,8 +51,6 @@ class OutsideModelParallel(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and self.optimizer_state_on_device:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     def full_state_dict(self) -> dict:
         """The whole model's weights, gathered on rank 0 (empty elsewhere): a collective, every process takes part."""
@@ -73,7 +61,7 @@ class OutsideModelParallel(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix."""
-        if not self._save_distributed_checkpoint:
+        if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         link = Path(filepath)
         version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards

@@ -104,15 +104,22 @@ class Pipelined:
     def reduce_gradients(self) -> None:
         """Once per optimizer step: make the data-parallel pipelines' gradients one (the strategy's way)."""
 
+    pipeline_mesh = None
+
+    @property
+    def device_mesh(self):
+        """Lightning's mesh has no pipeline dimension: a pipelined run meshes (pipeline, data, tensor), tensor
+        innermost; Lightning reads the data-parallel place off it too."""
+        return self.pipeline_mesh if self.pipeline_mesh is not None else super().device_mesh
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.pipelined:  # Lightning's mesh has no pipeline dimension: (pipeline, data, tensor), tensor innermost
+        if self.pipelined:
             from torch.distributed.device_mesh import init_device_mesh
 
             sizes = (self.layout.pipeline_parallel, self.layout.data_parallel, self.layout.tensor_parallel)
-            self._device_mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(
+            self.pipeline_mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(
                 "pipeline_parallel", "data_parallel", "tensor_parallel"))  # fmt: skip
-            self.lightning_module._device_mesh = self._device_mesh
 
     def parallelize(self, module: nn.Module) -> None:
         if not self.pipelined:

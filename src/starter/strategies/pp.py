@@ -10,7 +10,6 @@ instead (less memory per process, an all-gather per stage forward): strategy=fsd
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from starter.strategies.model_parallel import OutsideModelParallel
 from starter.strategies.pipeline import Pipelined
@@ -24,7 +23,8 @@ class PipelineStrategy(Pipelined, OutsideModelParallel):
         if self.layout.data_parallel == 1:
             return
         gradients = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(gradients)
+        flat = torch.cat([g.reshape(-1) for g in gradients])
         dist.all_reduce(flat, group=self.device_mesh["data_parallel"].get_group())
         flat /= self.layout.data_parallel
-        torch._foreach_copy_(gradients, list(_unflatten_dense_tensors(flat, gradients)))
+        parts = flat.split([g.numel() for g in gradients])
+        torch._foreach_copy_(gradients, [part.view_as(g) for part, g in zip(parts, gradients)])
