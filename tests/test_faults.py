@@ -375,6 +375,7 @@ def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mni
     assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
 
 
+# full examples: begin
 def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s_cause(tmp_path):
     # An image folder is read before launch (its class count): node 1's disk lacks it. Node 0 reads node 1's line
     # from the store the nodes share, says it, and exits 2 without waiting for node 1's ranks.
@@ -393,6 +394,9 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
     assert codes == [2, 2] and max(ended) - min(ended) < 15, (codes, ended)  # not node 1's ranks' heartbeat timeout
     said = "error: node 1: no directory images/train: data.num_classes is read from its class folders"
     assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
+
+
+# full examples: end
 
 
 @pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
