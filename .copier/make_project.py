@@ -23,7 +23,7 @@ TEMPLATE_PACKAGE = "starter"
 LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, the recipe, the benchmarks of them
     "src/starter/data/imagenet.py",
     "src/starter/data/imagenet_archives.py",
-    "src/starter/models/nets/resnet.py",
+    "src/starter/models/nets/torchvision.py",
     "conf/data/imagenet.yaml",
     "conf/model/resnet18.yaml",
     "conf/model/resnet50.yaml",

@@ -170,30 +170,39 @@ SMALL_VIT_20_STEPS = [
 ]
 
 
-def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600):
-    """Run `python train.py` as a user would, with logs under tmp_path/logs; returns the finished process.
+def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | None = None, timeout: int = 600,
+          script: str = "train.py"):  # fmt: skip
+    """Run `python train.py` (or `script`: predict.py, export.py) as a user would, with logs under tmp_path/logs;
+    returns the finished process.
 
-    A run of one process with no environment of its own goes through train.py's Hydra entry point inside this
+    A run of one process with no environment of its own goes through the script's Hydra entry point inside this
     test process (see train_here): the same program, without importing torch and Lightning again (4-5 s a run).
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
-    overrides = [f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(o for o in overrides if not o.startswith("-"))]
+    quiet = QUIET if script == "train.py" else []
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", *quiet, *on_cpu(o for o in overrides if not o.startswith("-"))]
     if not flags and not env and one_process(overrides):
-        proc = train_here(tmp_path, overrides)
+        proc = train_here(tmp_path, overrides, script)
     else:
-        command = [sys.executable, str(ROOT / "train.py"), *flags, *overrides]
+        command = [sys.executable, str(ROOT / script), *flags, *overrides]
         proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=with_env(env))
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def predict(tmp_path: Path, *overrides: str, **kwargs):
+    """`python predict.py OVERRIDES`, as `train` runs train.py (without loader workers unless asked for)."""
+    workers = [] if any(o.startswith("num_workers=") for o in overrides) else ["num_workers=0"]
+    return train(tmp_path, *workers, *overrides, script="predict.py", **kwargs)
 
 
 def one_process(overrides: list[str]) -> bool:
     """No other process takes part (DataLoader workers would write to a copy of this process's captured output)."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
     return (values.get("strategy", "auto") in ("auto", "dp") and values.get("devices", "1") == "1"
-            and values.get("data.num_workers", "0") == "0")  # fmt: skip
+            and values.get("data.num_workers", "0") == values.get("num_workers", "0") == "0")  # fmt: skip
 
 
 @dataclass
@@ -205,18 +214,18 @@ class Finished:
     stderr: str
 
 
-def train_here(tmp_path: Path, overrides: list[str]) -> Finished:
-    """`python train.py OVERRIDES` in this process: Hydra's own entry point with sys.argv, the working directory,
+def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py") -> Finished:
+    """`python <script> OVERRIDES` in this process: Hydra's own entry point with sys.argv, the working directory,
     stdout and stderr as a subprocess would have them; what the run changes of the process is put back after."""
     from hydra.core.global_hydra import GlobalHydra
 
-    entry = _train_entry_point()
+    entry = _entry_point(script)
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a run sets its handlers for these
     saved = (sys.argv, os.getcwd(), [signal.getsignal(s) for s in stop_signals], logging.getLogger().handlers[:])
     out, err, code = io.StringIO(), io.StringIO(), 0
     run_name.cache_clear()  # a new run, a new name
     GlobalHydra.instance().clear()
-    sys.argv = [str(ROOT / "train.py"), *overrides]
+    sys.argv = [str(ROOT / script), *overrides]
     os.chdir(tmp_path)
     try:
         with redirect_stdout(out), redirect_stderr(err):
@@ -237,8 +246,8 @@ def train_here(tmp_path: Path, overrides: list[str]) -> Finished:
 
 
 @cache
-def _train_entry_point():
-    spec = importlib.util.spec_from_file_location("train_entry_point", ROOT / "train.py")
+def _entry_point(script: str):
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_entry_point", ROOT / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main.__wrapped__.__module__ = "__main__"  # Hydra then finds conf/ beside the file, as for the script
@@ -270,7 +279,7 @@ def sweep_jobs(tmp_path: Path, task: str = "train") -> list[Path]:
 def model_weights(run_dir: Path) -> dict:
     import torch
 
-    return torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)
+    return torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["state_dict"]
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -326,3 +335,33 @@ def default_run(tmp_path_factory):
     proc = train(tmp_path, "trainer.enable_progress_bar=true")  # as users run it; stdout is a pipe here
     (run_dir,) = run_dirs(tmp_path)
     return tmp_path, run_dir, proc
+
+
+@pytest.fixture(scope="session")
+def digit_files(tmp_path_factory) -> Path:
+    """The default run's test split (digits, seed 42) as 8-bit PNG files named <index>_<label>.png."""
+    from PIL import Image
+
+    from starter.data.digits import DigitsDataModule
+
+    folder = tmp_path_factory.mktemp("digit_files")
+    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
+    digits.setup()
+    for i, (image, label) in enumerate(zip(digits.test_set.images, digits.test_set.labels)):
+        Image.fromarray(image[0].numpy()).save(folder / f"{i:04d}_{int(label)}.png")
+    return folder
+
+
+def predictions(proc) -> list[dict]:
+    """The rows of the predictions.csv that a finished `predict.py` named."""
+    import csv
+    import re
+
+    (path,) = re.findall(r"^\d+ predictions in (\S+):$", proc.stdout, re.M)
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def correct(rows: list[dict]) -> int:
+    """How many predictions name the label in their file's name (<...>_<label>.<ext>)."""
+    return sum(row["class"] == Path(row["path"]).stem.rsplit("_", 1)[1] for row in rows)

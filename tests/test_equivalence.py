@@ -105,7 +105,7 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight
                     f"+callbacks.stop.signal={stop}", env=PROBES, expect_ok=False)  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     train(tmp_path, *again)
-    resumed = torch.load(tmp_path / "run" / "checkpoints" / "model.pt", weights_only=True)
+    resumed = model_weights(tmp_path / "run")
     assert all(torch.equal(straight[strategy][k], resumed[k]) for k in resumed)  # bit for bit
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:  # every step trained once, none twice
         assert sorted(int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]) == list(range(24))
@@ -124,7 +124,7 @@ def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_i
         )
         outputs[mode] = (
             proc.stdout + proc.stderr,
-            torch.load(run_dirs(tmp_path / mode)[0] / "checkpoints" / "model.pt"),
+            model_weights(run_dirs(tmp_path / mode)[0]),
         )
     said, replanned = outputs["replan"]
     assert "resumed lr schedule re-planned from the config (T_max: 1 -> 2), lr now 0.001;" in said

@@ -5,11 +5,10 @@ import json
 import os
 
 import pytest
-import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import plant, read_metrics, run_dirs, train
+from conftest import model_weights, plant, predict, predictions, read_metrics, run_dirs, train
 from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -49,7 +48,7 @@ def test_fsdp_holds_at_most_055_of_ddp_state_per_rank(short_runs):
 
 
 def test_fsdp_weights_match_ddp_after_20_steps(short_runs):
-    ddp, fsdp = (torch.load(short_runs[s] / "checkpoints" / "model.pt", weights_only=True) for s in ("ddp", "fsdp"))
+    ddp, fsdp = (model_weights(short_runs[s]) for s in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys()
     assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) <= 1e-5  # same maths, other summation order
 
@@ -62,7 +61,14 @@ def test_fsdp_checkpoints_are_sharded_and_the_export_loads_into_a_plain_model(sh
     saved = sorted(p.name.split(".")[:2] == ["last", "ckpt"] for p in last.parent.iterdir())
     assert saved.count(True) == 2  # the link and the one directory it points at: older saves were deleted
     model = instantiate(OmegaConf.load(run_dir / "config.yaml").model)
-    model.load_state_dict(torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True))  # strict, no prefix
+    model.load_state_dict(model_weights(run_dir))  # strict, no prefix
+
+
+def test_predict_reads_a_sharded_checkpoint_as_the_weights_it_holds(short_runs, digit_files, tmp_path):
+    checkpoints = short_runs["fsdp"] / "checkpoints"  # last.ckpt: the final weights, as model.pt
+    rows = [predictions(predict(tmp_path / name, f"ckpt_path={checkpoints / name}", f"inputs={digit_files}"))
+            for name in ("last.ckpt", "model.pt")]  # fmt: skip
+    assert rows[0] == rows[1] and len(rows[0]) == 271
 
 
 def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 from conftest import PROBES, train
 from starter.models.classifier import Classifier
-from starter.models.nets.resnet import ResNet
+from starter.models.nets.torchvision import torchvision_net
 from starter.strategies.fsdp import move_state_but_parameters, sharding_units
 
 # 2 CPU processes, as in test_fsdp.py
@@ -14,7 +14,7 @@ TWO_PROCESSES = ["accelerator=cpu", "devices=2"]
 
 
 def test_sharding_units_are_the_outermost_matching_modules():
-    net = ResNet(18, 10)
+    net = torchvision_net("resnet18", 10)
     units = sharding_units(net, ["BasicBlock", "Linear", "Conv2d"])
     assert sum(type(u).__name__ == "BasicBlock" for u in units) == 8  # 4 stages x 2 blocks
     assert {type(u).__name__ for u in units} == {"BasicBlock", "Conv2d", "Linear"}  # + the stem conv and fc
@@ -34,8 +34,8 @@ def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activat
 
 
 def test_cpu_offload_keeps_metric_states_and_buffers_with_the_batch_and_parameters_where_fsdp_puts_them():
-    model = Classifier(ResNet(18, 10), 10, optimizer=torch.optim.SGD)
+    model = Classifier(torchvision_net("resnet18", 10), 10, optimizer=torch.optim.SGD)
     move_state_but_parameters(model, torch.device("meta"))  # "meta" stands for the GPU of a GPU host
     assert model.val_acc.total.device.type == model.test_loss.total.device.type == "meta"
-    assert model.net.model.bn1.running_mean.device.type == "meta"
+    assert model.net.bn1.running_mean.device.type == "meta"
     assert all(p.device.type == "cpu" for p in model.parameters())

@@ -87,6 +87,16 @@ def test_model_pt_of_a_model_parallel_run_loads_into_the_plain_net(jobs):
     for run_dir in jobs.values():
         model = instantiate(OmegaConf.load(run_dir / "config.yaml").model)
         model.load_state_dict(model_weights(run_dir))  # strict: every stage and shard, plain names
+        assert_loads_whole_for_inference(run_dir)
+
+
+def assert_loads_whole_for_inference(run_dir) -> None:
+    """The run's sharded last.ckpt (the final weights) loads, in one process, into the plain model that predict.py
+    and export.py use: the same weights as its model.pt."""
+    from starter.checkpointing.inference import load_for_inference
+
+    model, record = load_for_inference(run_dir / "checkpoints" / "last.ckpt")
+    assert max_difference(model.state_dict(), model_weights(run_dir)) == 0.0 and record["classes"][9] == "9"
 
 
 @pytest.mark.parametrize("strategy", ["tp"])  # pp: stopped mid-epoch and resumed below (pp x dp)
@@ -137,6 +147,7 @@ def test_pipelines_beside_data_parallel_train_the_weights_of_one_process_through
     assert abs(parallel["test/loss"] - single["test/loss"]) <= 1e-5 and parallel["test/acc"] == single["test/acc"]
     model = instantiate(OmegaConf.load(pipelines[mode] / "config.yaml").model)
     model.load_state_dict(model_weights(pipelines[mode]))  # model.pt: the plain net's names, every stage
+    assert_loads_whole_for_inference(pipelines[mode])
 
 
 def test_a_pipeline_checkpoint_evaluates_on_another_cut_and_resumes_only_on_its_own(pipelines, reference, tmp_path):

@@ -14,6 +14,7 @@ from conftest import (
     QUIET,
     ROOT,
     free_port,
+    model_weights,
     read_metrics,
     run_dirs,
     sweep_jobs,
@@ -39,7 +40,6 @@ def test_multirun_with_ddp_inside_gives_one_directory_per_job(tmp_path):
 
 
 def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_weights(tmp_path):
-    import torch
 
     job = ["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=3", "test=false"]  # killed in epoch 1 or 2
     command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *job, "ckpt_path=auto",
@@ -55,7 +55,7 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in out + err
     reference = train(tmp_path / "reference", *job, "devices=2")  # the same job, uninterrupted (our launcher)
     (reference_dir,) = run_dirs(tmp_path / "reference")
-    restarted, whole = (torch.load(d / "checkpoints" / "model.pt", weights_only=True) for d in (run_dir, reference_dir))
+    restarted, whole = (model_weights(d) for d in (run_dir, reference_dir))
     assert reference.returncode == 0 and restarted.keys() == whole.keys()
     assert max((restarted[k].float() - whole[k].float()).abs().max().item() for k in whole) <= 1e-6
 

@@ -16,7 +16,7 @@ LAYERS = [
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run"},
-    {"main"},
+    {"main", "predict", "export"},
 ]
 
 

@@ -100,7 +100,7 @@ def test_the_generated_project_is_named_after_its_package_everywhere(projects, e
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_the_minimal_project_has_none_of_the_larger_examples_and_the_full_one_has_them_all(projects, examples):
     project = projects[examples]
-    larger = ["src/mynet/data/imagenet.py", "src/mynet/models/nets/resnet.py", "conf/data/imagenet.yaml",
+    larger = ["src/mynet/data/imagenet.py", "src/mynet/models/nets/torchvision.py", "conf/data/imagenet.yaml",
               "conf/model/resnet50.yaml", "conf/model/vit_s16.yaml", "conf/experiment/imagenet_resnet50.yaml",
               "conf/launcher/slurm.yaml", "tests/test_image_folder.py", "benchmarks/gpu_scaling.py"]  # fmt: skip
     assert [(project / p).exists() for p in larger] == [examples == "full"] * len(larger)

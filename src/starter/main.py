@@ -1,29 +1,32 @@
-"""What `train.py` runs for each Hydra job: check the config, then train here or in one worker per device.
+"""What `train.py` (and `predict.py`, `export.py`) runs for each Hydra job: check the config, then run the job here or
+in one worker per device.
 
-A run of one process goes main -> run. The machinery of several processes (the launcher, the watchdog, the fork
-server) is imported only where several processes start.
+A training run of one process goes main -> run. The machinery of several processes (the launcher, the watchdog,
+the fork server) is imported only where several processes start.
 """
 
+import importlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
 from starter.launch.environment import launched_by
-from starter.preflight import prepare
-from starter.topology import Traits
+from starter.preflight import prepare as prepare_training
+from starter.topology import Layout, Traits
 
-WORKER_JOB = "starter.run:run"  # what each worker of our launcher runs
-# What the workers' fork server imports once: torch and Lightning, none of it asking CUDA anything (a CUDA driver
-# initialised before a fork fails in the forked workers).
+TRAIN = "starter.run:run"  # the job each process runs: "module:function", called with the resolved config
+# What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it asking
+# CUDA anything (a CUDA driver initialised before a fork fails in the forked workers).
 WORKER_PRELOAD = ("starter.launch.worker", "starter.run")
 
 
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     try:
         layout = prepare(cfg)
@@ -32,19 +35,16 @@ def main(cfg: DictConfig) -> float | None:
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         launcher = launched_by(layout.world, Traits.of(cfg.strategy).multi_process)
         if launcher == "ours":
-            metrics = launch(cfg, config_path, layout)
+            metrics = launch(cfg, config_path, layout, job)
         elif launcher is not None:  # torchrun's workers, srun's tasks: each a rank
             from starter.launch.watchdog import watch_external_ranks
-            from starter.run import run
 
             watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s,
                                             cfg.stall_timeout_s)  # fmt: skip
             with watchdog.reporting():
-                metrics = run(OmegaConf.load(config_path))
+                metrics = job_function(job)(OmegaConf.load(config_path))
         else:
-            from starter.run import run
-
-            metrics = run(OmegaConf.load(config_path))
+            metrics = job_function(job)(OmegaConf.load(config_path))
     except UserError as err:
         if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
             from starter.launch.launcher import node_store
@@ -56,24 +56,30 @@ def main(cfg: DictConfig) -> float | None:
         else:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
-    return metrics.get(cfg.optimized_metric)
+    return metrics.get(cfg.get("optimized_metric"))
 
 
-def launch(cfg: DictConfig, config_path: Path, layout) -> dict:
+def job_function(job: str) -> Callable[[DictConfig], dict]:
+    module, name = job.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict:
     """One worker per device of this node, started by our launcher; rank 0 writes the run's outputs."""
     from starter.launch.launcher import WorkerFailed, launch_workers
     from starter.launch.watchdog import linger_s
     from starter.launch.worker import forked
 
     try:
-        launch_workers(forked, WORKER_JOB, WORKER_PRELOAD, config_path, layout, Traits.of(cfg.strategy).launcher,
-                       stop_signals=list(cfg.stop_signals),
-                       linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
+        preload = (WORKER_PRELOAD[0], job.split(":")[0])
+        launch_workers(forked, job, preload, config_path, layout, Traits.of(cfg.strategy).launcher,
+                       stop_signals=list(cfg.stop_signals), linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
             print(f"error: {err.message}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
-    return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text()) if _node_rank() == 0 else {}
+    metrics = Path(cfg.paths.output_dir) / "metrics.json"  # where the job reports figures (training does)
+    return json.loads(metrics.read_text()) if _node_rank() == 0 and metrics.is_file() else {}
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, ListConfig
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
 from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
+from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
 from starter.topology import Layout, Traits, device_count, device_type, why_not
 
@@ -22,7 +23,30 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 def prepare(cfg: DictConfig) -> Layout:
-    """Validate `cfg`, settle it in place, and return the layout of its processes."""
+    """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
+    layout, traits = settle(cfg, int(cfg.data.batch_size)), Traits.of(cfg.strategy)
+    _settle_num_classes(cfg)
+    _check_capabilities(cfg, traits, layout)
+    if pipelined(cfg.strategy, layout):
+        check_pipeline(cfg, layout)
+    _check_logger_packages(cfg)
+    if cfg.get("init_from") and not Path(cfg.init_from).is_file():
+        raise UserError(f"init_from={cfg.init_from}: no such file")
+    path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
+    saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
+    if path is not None:
+        check_sharded_writer(path, cfg.strategy.name)
+        if path.is_dir() and saved is not None:
+            check_cut(path, saved, cfg, layout)
+    cfg.ckpt_path = None if path is None else str(path)
+    if "wandb" in (cfg.get("logger") or {}) and cfg.logger.wandb.get("id") is None:
+        cfg.logger.wandb.id = wandb_run_id(cfg, saved)
+    return layout
+
+
+def settle(cfg: DictConfig, global_batch: int) -> Layout:
+    """What every run of processes settles (training, predict): precision, devices, processes, their layout, and
+    that each data-parallel process gets an equal share of `global_batch`."""
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
@@ -31,26 +55,14 @@ def prepare(cfg: DictConfig) -> Layout:
         if not float(cfg[key]) > 0:
             raise UserError(f"{key}={cfg[key]}: give seconds above 0")
     _settle_accelerator_and_devices(cfg)
-    _settle_num_classes(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
-    _check_capabilities(cfg, traits, layout)
-    if pipelined(cfg.strategy, layout):
-        check_pipeline(cfg, layout)
-    _check_logger_packages(cfg)
-    layout.batch_per_process(int(cfg.data.batch_size))
+    layout.batch_per_process(global_batch)
     if launched_by(layout.world, traits.multi_process) == "ours":
         check_rendezvous(layout.nodes)
-    if cfg.ckpt_path is not None:
-        path = resolve_ckpt_path(cfg)
-        if path is not None:
-            check_sharded_writer(path, cfg.strategy.name)
-            if cfg.train and path.is_dir() and (saved := saved_config(path)) is not None:
-                check_cut(path, saved, cfg, layout)
-        cfg.ckpt_path = None if path is None else str(path)
     return layout
 
 

@@ -11,9 +11,10 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from starter.checkpointing.export import save_full_weights
+from starter.checkpointing.inference import SaveInference, save_full_weights
+from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.launch.environment import external_launcher
@@ -28,25 +29,29 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics: what the model and the callbacks logged last (`test/*`: the tested checkpoint's)."""
-    _silence_known_noise()
-    _log_through_root()
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    start_process(cfg)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
     datamodule = build(cfg.data)
     model = build(cfg.model)
+    if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
+        load_initial_weights(model, Path(cfg.init_from))
     if cfg.get("channels_last"):
         use_channels_last(model, weights=traits.channels_last_weights)
-    callbacks = [build(c) for c in cfg.callbacks.values()]
-    trainer = build(
-        cfg.trainer,
-        strategy=build_strategy(cfg.strategy, layout),
-        callbacks=[c for c in callbacks if c is not None],  # a callback config may build to nothing: off
-        logger=[build(lg) for lg in cfg.logger.values()] or False,
-        plugins=[build(p) for p in cfg.trainer.get("plugins") or []]
-        + [precision_plugin(str(cfg.precision), device_type(cfg), traits.whole_weights)]
-        + cluster_environment(layout),
-    )
+    inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
+    callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
+    trainer = build_trainer(cfg, layout, [*callbacks, inference], [build(lg) for lg in cfg.logger.values()])
     log_config(trainer, cfg)
+    try:
+        metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record)
+    except BaseException as err:  # a logger's run is marked with how the job ends
+        end_logger_runs(trainer, err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1)
+        raise
+    end_logger_runs(trainer)
+    end_process_group()
+    return metrics
+
+
+def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict) -> dict[str, float]:
     if cfg.ckpt_path:
         check_checkpoint_fits(model, Path(cfg.ckpt_path))
     metrics: dict[str, float] = {}
@@ -60,7 +65,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
                             " ckpt_path=last", trainer.global_step)  # fmt: skip
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
-        save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt")
+        save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)
     if cfg.test:
         if cfg.train:
             best = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
@@ -72,13 +77,34 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
         write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor)
-    end_logger_runs(trainer)
+    return metrics
+
+
+def start_process(cfg: DictConfig) -> None:
+    _silence_known_noise()
+    _log_through_root()
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+
+def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list) -> L.Trainer:
+    """The trainer of `cfg.trainer`, with the strategy, precision and cluster environment of the run."""
+    return build(
+        cfg.trainer,
+        strategy=build_strategy(cfg.strategy, layout),
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[build(p) for p in cfg.trainer.get("plugins") or []]
+        + [precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights)]
+        + cluster_environment(layout),
+    )
+
+
+def end_process_group() -> None:
+    """Leaving a gloo process group to interpreter shutdown can abort a rank on exit ("terminate called without
+    an active exception", exit -6) after a successful run: closed while every rank is here."""
     if torch.distributed.is_initialized():
-        # Leaving a gloo process group to interpreter shutdown can abort a rank on exit ("terminate called
-        # without an active exception", exit -6) after a successful run: close it while every rank is here.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return metrics
 
 
 KNOWN_NOISE = (

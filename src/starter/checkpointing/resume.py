@@ -75,15 +75,19 @@ def check_checkpoint_fits(model, path: Path) -> None:
         raise
     except Exception as err:
         raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {str(err).splitlines()[0]}") from err
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in saved.items()}
-    if expected != found:
-        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-        resized = sorted(k for k in expected.keys() & found.keys() if expected[k] != found[k])
-        raise UserError(
-            f"ckpt_path={path} holds weights of a different model (missing {missing[:3]}, unexpected"
-            f" {unexpected[:3]}, other shapes {resized[:3]}); use the model config of the run that saved it"
-        )
+    if mismatch := weights_mismatch(model.state_dict(), saved):
+        raise UserError(f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
+                        " the run that saved it")  # fmt: skip
+
+
+def weights_mismatch(expected: dict, found: dict) -> str | None:
+    """What differs between two state dicts' names and shapes, in a few words; None where nothing does."""
+    shapes = {k: tuple(v.shape) for k, v in expected.items()}, {k: tuple(v.shape) for k, v in found.items()}
+    if shapes[0] == shapes[1]:
+        return None
+    missing, unexpected = sorted(shapes[0].keys() - shapes[1].keys()), sorted(shapes[1].keys() - shapes[0].keys())
+    resized = sorted(k for k in shapes[0].keys() & shapes[1].keys() if shapes[0][k] != shapes[1][k])
+    return f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {resized[:3]}"
 
 
 @contextmanager

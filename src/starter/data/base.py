@@ -20,7 +20,7 @@ from functools import partial
 import lightning as L
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
@@ -53,6 +53,8 @@ class ShardedDataModule(L.LightningDataModule):
         self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
         # What normalise() applies to uint8 images; each data set sets its own (value_range: x's full scale).
         self.value_range, self.mean, self.std = 255.0, (0.5,) * self.image_shape[0], (0.5,) * self.image_shape[0]
+        self.classes = [str(i) for i in range(self.num_classes)]  # the class names, where a data set has them
+        self.eval_resize = self.eval_crop = None  # evaluation's resize and centre crop; None: resized to image_shape
         self._statistics: list[torch.Tensor] | None = None
         self.mix = batch_mixing(float(mixup_alpha), float(cutmix_alpha), self.num_classes)
         self.ra_reps = int(ra_reps)  # repeated augmentation: each image this many times an epoch (0: off)
@@ -99,7 +101,7 @@ class ShardedDataModule(L.LightningDataModule):
             batches = ResumableBatches(sampler, batch_size, drop_last=True)
             return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last=False), **options)
+        return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)  # Lightning's predict keeps it
 
     def _data_parallel_place(self) -> tuple[int, int]:
         """(data-parallel size, this process's data-parallel rank): the processes of one tensor-parallel group
@@ -114,6 +116,12 @@ class ShardedDataModule(L.LightningDataModule):
     def _training_progress(self) -> tuple[int, int]:
         """(batches trained in this epoch, batches an epoch trains), for resuming mid-epoch."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed, self.trainer.num_training_batches
+
+    def inference(self) -> dict:
+        """What predicting from raw images needs, saved with the weights (checkpointing/inference.py)."""
+        return {"image_shape": list(self.image_shape), "value_range": float(self.value_range), "mean": list(self.mean),
+                "std": list(self.std), "classes": list(self.classes), "resize": self.eval_resize,
+                "crop": self.eval_crop}  # fmt: skip
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32, zero mean and unit variance per channel, on the device they are on."""
@@ -154,3 +162,21 @@ def batch_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
     mixes = [v2.MixUp(alpha=mixup_alpha, num_classes=num_classes)] if mixup_alpha > 0 else []
     mixes += [v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes)] if cutmix_alpha > 0 else []
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+class ImagesToPredict(ShardedDataModule):
+    """Image files to predict (predict.py), each as the trained model's evaluation saw its data (the inference record
+    its weights carry: resize, crop, normalisation); each process its unpadded share, in the files' order."""
+
+    def __init__(self, paths: list[str], inference: dict, batch_size: int, num_workers: int = 0,
+                 skip_unreadable: bool = False):  # fmt: skip
+        from starter.data.image_files import FilesToPredict, evaluation_transform
+
+        shape = inference["image_shape"]
+        super().__init__(batch_size, shape, len(inference["classes"]), num_workers=num_workers)
+        self.value_range, self.mean, self.std = inference["value_range"], inference["mean"], inference["std"]
+        transform = evaluation_transform(inference["resize"], inference["crop"], shape[1:])
+        self.predict_set = FilesToPredict(paths, shape, transform, skip_unreadable)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.predict_set, "predict")

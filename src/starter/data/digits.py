@@ -22,12 +22,13 @@ class DigitsDataModule(ShardedDataModule):
         from sklearn.datasets import load_digits
 
         digits = load_digits()
-        images = torch.tensor(digits.images, dtype=torch.uint8).unsqueeze(1)  # (N, 1, 8, 8), values 0..16
+        # (N, 1, 8, 8): values 0..16 scaled to 0..255, so an 8-bit image file of a digit is what the net saw
+        images = (torch.tensor(digits.images) * 255 / 16).round().to(torch.uint8).unsqueeze(1)
         labels = torch.tensor(digits.target, dtype=torch.long)
         self._check_shape("digits", images.shape[1:], int(labels.max()) + 1)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
         n_train, n_val = int(self.split[0] * len(order)), int(self.split[1] * len(order))
         parts = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
-        train = images[parts[0]].float()  # normalised on the device with training-split statistics only
-        self.value_range, self.mean, self.std = 1.0, (float(train.mean()),), (float(train.std()),)
+        train = images[parts[0]].float() / 255  # normalised on the device with training-split statistics only
+        self.mean, self.std = (float(train.mean()),), (float(train.std()),)
         self.train_set, self.val_set, self.test_set = (TensorPairs(images[p], labels[p]) for p in parts)

@@ -3,11 +3,12 @@ out of its batch, and counted). torch, torchvision and PIL only: loader workers 
 imports this module, not Lightning."""
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
 from PIL import Image
-from torch.utils.data import default_collate
+from torch.utils.data import Dataset, default_collate
 from torchvision.datasets import ImageFolder
 
 from starter.errors import UserError
@@ -32,6 +33,22 @@ def load_image(path: str, mode: str = "RGB") -> torch.Tensor:
             return pil_to_tensor(image.convert(mode))
     except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for truncated / non-image files
         raise UserError(f"cannot read image {path}: {err}") from err
+
+
+def evaluation_transform(resize: int | None, crop: int | None, size: list[int] | None = None):
+    """uint8 image -> uint8 crop as evaluation sees it: resized (shorter side) and centre-cropped, or, without a crop,
+    resized to `size` (H, W) where it is another size."""
+    from torchvision.transforms import v2
+
+    if crop is not None:
+        return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
+    return partial(_resized_to, size=list(size))
+
+
+def _resized_to(image: torch.Tensor, size: list[int]) -> torch.Tensor:
+    from torchvision.transforms.v2.functional import resize
+
+    return image if list(image.shape[-2:]) == size else resize(image, size, antialias=True)
 
 
 class ImageFiles(ImageFolder):
@@ -61,3 +78,30 @@ class ImageFiles(ImageFolder):
 
     def skipped(self) -> list[str]:
         return [] if self.unreadable is None else [self.samples[int(i)][0] for i in self.unreadable.nonzero()]
+
+
+class FilesToPredict(Dataset):
+    """Image files in a given order, each as evaluation sees it, with its place in that order; with
+    `skip_unreadable`, an unreadable one is left out of its batch with a warning naming it."""
+
+    def __init__(self, paths: list[str], image_shape: list[int], transform, skip_unreadable: bool):
+        self.paths, self.image_shape, self.transform = paths, list(image_shape), transform
+        self.mode, self.skip_unreadable = ("RGB" if image_shape[0] == 3 else "L"), skip_unreadable
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        try:
+            return self.transform(load_image(self.paths[index], self.mode)), index
+        except UserError as err:
+            if not self.skip_unreadable:
+                raise
+            log.warning("skipping it (skip_unreadable=true): %s", err)
+            return None
+
+    def collate_fn(self, samples):
+        readable = [s for s in samples if s is not None]
+        if readable:
+            return default_collate(readable)
+        return torch.empty(0, *self.image_shape, dtype=torch.uint8), torch.empty(0, dtype=torch.long)

@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from starter.data.base import ShardedDataModule
-from starter.data.image_files import ImageFiles, load_image
+from starter.data.image_files import ImageFiles, evaluation_transform, load_image
 from starter.data.imagenet_archives import COMMAND, needs_preparing
 from starter.errors import UserError
 
@@ -29,7 +29,7 @@ def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int,
     from torchvision.transforms import v2
 
     if not train:
-        return v2.Compose([v2.Resize(val_resize_size, antialias=True), v2.CenterCrop(val_crop_size)])
+        return evaluation_transform(val_resize_size, val_crop_size)
     steps = [v2.RandomResizedCrop(train_crop_size, antialias=True), v2.RandomHorizontalFlip()]
     policies = {"ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment,
                 "imagenet": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)}  # fmt: skip
@@ -65,6 +65,7 @@ class ImageFolderDataModule(ShardedDataModule):
         self.auto_augment, self.random_erase = auto_augment, float(random_erase)
         if self.image_shape[0] == 3:
             self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
+        self.eval_resize, self.eval_crop = self.val_resize_size, self.val_crop_size
         self.skip_unreadable = bool(skip_unreadable)
 
     def unreadable_images(self) -> list[str]:
@@ -95,6 +96,7 @@ class ImageFolderDataModule(ShardedDataModule):
                 f" set data.num_classes={len(train.classes)}"
             )
         self.train_set, self.val_set, self.test_set = train, val, val
+        self.classes = train.classes
 
     def _folder(self, split: str, train: bool):
         directory = self.root / split

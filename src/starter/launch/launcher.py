@@ -196,7 +196,13 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
     for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it). A worker that exits with a
     code has said why (watchdog.report); one a signal ended cannot, so this says it. Several nodes: also ends when
     a process of another node has reported a failure in the store (this node's workers may be unable to leave)."""
-    store, polls = node_store(), 0
+    store, polls, node = node_store(), 0, first_rank // per_node
+
+    def reported_elsewhere() -> WorkerFailed | None:  # another node's failure is said here too
+        if found := _reported(store):
+            return WorkerFailed(found[1] if found[2] != node else None, found[0], reported=True)
+        return None
+
     while True:
         codes = [p.exitcode for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -208,13 +214,12 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
                 name = received[0] if received else "a stop signal"
                 raise WorkerFailed(f"stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last",
                                    code)  # fmt: skip
-            raise WorkerFailed(None, code)
+            raise reported_elsewhere() or WorkerFailed(None, code)
         if all(code == 0 for code in codes):
             return
         polls += 1
-        if store is not None and polls % 5 == 0 and (found := _reported(store)):
-            # this node's workers may be unable to leave; another node's failure is said here too
-            raise WorkerFailed(found[1] if found[2] != first_rank // per_node else None, found[0], reported=True)
+        if polls % 5 == 0 and (failed := reported_elsewhere()):  # this node's workers may be unable to leave
+            raise failed
         time.sleep(0.2)
 
 

@@ -15,11 +15,22 @@ def log_config(trainer, cfg: DictConfig) -> None:
             logger.log_hyperparams(params)
 
 
-def end_logger_runs(trainer) -> None:
+def end_logger_runs(trainer, exit_code: int = 0) -> None:
     """Lightning leaves a W&B run open until the process exits; the next job of a multirun (same process) would
-    log into it. Ended here, after fit and test, so each job is a run of its own."""
+    log into it. Ended here, after fit and test or when they failed (`exit_code` not 0: the run is marked failed),
+    so each job is a run of its own."""
     from lightning.pytorch.loggers import WandbLogger  # importable without wandb installed
 
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger.experiment.finish()
+    if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=exit_code)
+
+
+def wandb_run_id(cfg: DictConfig, saved: DictConfig | None) -> str:
+    """The W&B run a run logs to: the saved run's where it resumes one (`saved`: its config), else a new one."""
+    import uuid
+
+    previous = OmegaConf.select(saved, "logger.wandb.id") if saved is not None else None
+    return previous or uuid.uuid4().hex[:12]

@@ -86,6 +86,10 @@ class Classifier(L.LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_loss, self.test_acc)
 
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """The class probabilities of a batch of images (its second element names the samples: predict.py)."""
+        return self(batch[0]).float().softmax(dim=-1)
+
     def _evaluate(self, batch, stage: str, loss_metric: SampleMean, acc_metric: SampleMean) -> None:
         images, labels = batch
         logits = self(images)

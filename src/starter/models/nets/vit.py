@@ -24,7 +24,7 @@ class PatchEmbedding(nn.Module):
                             f" given {images.shape[-2]}x{images.shape[-1]}; crop the data to {size}"
                             " (data.train_crop_size, data.val_crop_size), or change data.image_shape")  # fmt: skip
         tokens = self.proj(images).flatten(2).transpose(1, 2)  # (N, patches, dim)
-        tokens = torch.cat([self.cls_token.expand(len(tokens), -1, -1), tokens], dim=1)
+        tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
         return tokens + self.pos_embed
 
 

@@ -1,0 +1,21 @@
+"""Export a trained model to a file that runs without this starter: `python export.py ckpt_path=... format=onnx`
+(conf/export.yaml)."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from starter.errors import end_without_teardown
+from starter.launch.run_name import run_name
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="export")
+def main(cfg: DictConfig) -> None:
+    from starter.export import prepare
+    from starter.main import main as run_job
+
+    run_job(cfg, prepare, "starter.export:export")
+
+
+if __name__ == "__main__":
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
+    end_without_teardown(main)

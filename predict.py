@@ -1,0 +1,20 @@
+"""Predict image files with a trained model: `python predict.py ckpt_path=... inputs=...` (conf/predict.yaml)."""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from starter.errors import end_without_teardown
+from starter.launch.run_name import run_name
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="predict")
+def main(cfg: DictConfig) -> None:
+    from starter.main import main as run_job
+    from starter.predict import prepare
+
+    run_job(cfg, prepare, "starter.predict:predict")
+
+
+if __name__ == "__main__":
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
+    end_without_teardown(main)

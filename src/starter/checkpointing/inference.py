@@ -1,0 +1,63 @@
+"""What inference needs, saved with the weights when they are trained: the model's config (resolved), the data's
+normalisation, class names, input shape and evaluation resize and crop. Every checkpoint holds it as `inference`
+(a sharded one in its meta.pt), and checkpoints/model.pt is {"state_dict": the whole model's weights, gathered
+whatever the strategy, "inference": ...}. `load_for_inference` reads either back with nothing but the file.
+"""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from starter.checkpointing.resume import refusing_pickled_code
+from starter.errors import UserError
+
+
+class SaveInference(L.Callback):
+    def __init__(self, model: dict):
+        """`model`: the model's resolved config, which rebuilds it."""
+        self.record = {"model": model}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:  # after the DataModule's setup: its classes are known
+        if callable(getattr(trainer.datamodule, "inference", None)):
+            self.record |= trainer.datamodule.inference()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint["inference"] = self.record
+
+
+def save_full_weights(trainer, path: Path, inference: dict) -> None:
+    """A collective where the strategy holds shards or stages (it gathers them on rank 0); state_dict() otherwise."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    gather = getattr(trainer.strategy, "full_state_dict", None)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = gather() if gather else get_model_state_dict(trainer.lightning_module, options=options)
+    if trainer.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"state_dict": state, "inference": inference}, path)
+
+
+def load_for_inference(path: Path) -> tuple[L.LightningModule, dict]:
+    """The trained model (on the CPU, in eval mode) and its inference record, from a checkpoint file, a sharded
+    checkpoint directory (any strategy's) or a model.pt."""
+    from hydra.utils import instantiate
+
+    with refusing_pickled_code(path):
+        saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or "model" not in saved.get("inference", {}):
+        raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
+                        " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
+    record = saved["inference"]
+    model = instantiate(record["model"])
+    if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
+        from torch.distributed.checkpoint import load
+
+        weights = {"state_dict": model.state_dict()}
+        load(weights, checkpoint_id=path)
+        saved = weights
+    missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
+    if missing or unexpected:
+        raise UserError(f"ckpt_path={path}: its weights do not fit the model it names (missing {missing[:3]},"
+                        f" unexpected {unexpected[:3]})")  # fmt: skip
+    return model.eval(), record

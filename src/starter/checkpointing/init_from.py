@@ -1,0 +1,38 @@
+"""`init_from=PATH`: a fresh run that starts from trained weights, and only weights (no optimizer, schedule or loop
+state): a checkpoint or model.pt of this starter, or a plain state dict of the net (torchvision's, a file of one's
+own). A head trained for another class count stays as initialised, said in one line; any other mismatch is
+refused in one line."""
+
+import logging
+from pathlib import Path
+
+import torch
+
+from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
+from starter.errors import UserError
+from starter.models.head import head_name
+
+log = logging.getLogger(__name__)
+
+
+def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
+    if not path.is_file():
+        raise UserError(f"init_from={path}: no such file")
+    with refusing_pickled_code(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    state = saved.get("state_dict", saved) if isinstance(saved, dict) else {}
+    own = model.state_dict()
+    net = getattr(model, "net", None)
+    if net is not None and not any(k.startswith("net.") for k in state):  # a plain net's state dict
+        state = {f"net.{k}": v for k, v in state.items()}
+    if net is not None:
+        head = f"net.{head_name(net)}"
+        other = [k for k in (f"{head}.weight", f"{head}.bias") if k in state and k in own
+                 and state[k].shape != own[k].shape]  # fmt: skip
+        if other:
+            log.info("init_from=%s: its head (%s) has %d outputs, this model %d classes: the head starts freshly"
+                        " initialised", path, head, len(state[other[0]]), len(own[other[0]]))  # fmt: skip
+            state |= {k: own[k] for k in other}
+    if mismatch := weights_mismatch(own, state):
+        raise UserError(f"init_from={path} holds weights of another model ({mismatch}); use weights of this net")
+    model.load_state_dict(state)

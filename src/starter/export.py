@@ -1,0 +1,95 @@
+"""`python export.py ckpt_path=... format=onnx|torch_export`: a trained model as one file that runs without this
+starter (onnxruntime, or torch alone), taking images as they are decoded: uint8, N x C x H x W, any batch size N, the
+run's normalisation inside the graph. The file is checked before it is called done: on a batch of another size than
+the one it was traced with, its logits and the model's own differ by at most `tolerance`; else it is not kept.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from omegaconf import DictConfig
+from torch import nn
+
+from starter.errors import UserError
+from starter.predict import weights_path
+from starter.preflight import settle
+from starter.topology import Layout
+
+FORMATS = {"onnx": "model.onnx", "torch_export": "model.pt2"}
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+
+
+def prepare(cfg: DictConfig) -> Layout:
+    if cfg.format not in FORMATS:
+        raise UserError(f"format={cfg.format}: choose one of {', '.join(FORMATS)}")
+    if cfg.format == "onnx" and (missing := [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]):
+        raise UserError(f"format=onnx needs {', '.join(missing)}: pip install -e '.[export]' (or format=torch_export)")
+    layout = settle(cfg, 1)
+    if layout.world != 1:
+        raise UserError("export runs one process: leave devices and num_nodes at 1")
+    cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    return layout
+
+
+class Pixels(nn.Module):
+    """uint8 images in, the net's logits out: the normalisation of the run's data, then the net."""
+
+    def __init__(self, net: nn.Module, inference: dict):
+        super().__init__()
+        import torch
+
+        self.net, self.value_range = net, float(inference["value_range"])
+        shape = (1, -1, 1, 1)
+        self.register_buffer("mean", torch.tensor(inference["mean"]).view(shape))
+        self.register_buffer("std", torch.tensor(inference["std"]).view(shape))
+
+    def forward(self, images):
+        return self.net((images.float() / self.value_range - self.mean) / self.std)
+
+
+def export(cfg: DictConfig) -> dict:
+    import torch
+
+    from starter.checkpointing.inference import load_for_inference
+    from starter.run import start_process
+
+    start_process(cfg)
+    model, record = load_for_inference(Path(cfg.ckpt_path))
+    net = getattr(model, "net", model)
+    pixels = Pixels(net, record).eval()
+    out = Path(cfg.paths.output_dir) / FORMATS[cfg.format]
+    shape, generator = record["image_shape"], torch.Generator().manual_seed(int(cfg.seed))
+    traced, check = (torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=generator) for n in (2, 3))
+    batch = {"images": {0: torch.export.Dim("batch", min=1, max=4096)}}
+    try:
+        with torch.no_grad():
+            if cfg.format == "onnx":
+                torch.onnx.export(pixels, (traced,), out, input_names=["images"], output_names=["logits"],
+                                  dynamic_shapes=batch, dynamo=True, verbose=False)  # fmt: skip
+                got = _run_onnx(out, check)
+            else:
+                torch.export.save(torch.export.export(pixels, (traced,), dynamic_shapes=batch), out)
+                got = torch.export.load(out).module()(check)
+            difference = float((got - pixels(check)).abs().max())
+    except UserError:
+        raise
+    except Exception as err:
+        out.unlink(missing_ok=True)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{type(net).__name__} does not export to {cfg.format}: {first}") from err
+    if not difference <= float(cfg.tolerance):
+        out.unlink(missing_ok=True)
+        raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
+                        f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
+    c, h, w = shape
+    print(f"exported {out}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked on a"
+          f" batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
+    return {}
+
+
+def _run_onnx(path: Path, images):
+    import onnxruntime
+    import torch
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"images": images.numpy()})[0])

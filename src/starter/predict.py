@@ -1,0 +1,120 @@
+"""`python predict.py ckpt_path=... inputs=...`: a trained model's answers for image files, in predictions.csv.
+
+The weights carry what inference needs (checkpointing/inference.py), so this needs neither the training data nor
+its config: a checkpoint of any strategy (a sharded directory included), a model.pt, a run directory (the
+checkpoint its test evaluated: best.ckpt, else model.pt) or `last` (the newest run's). One process, or one per
+device with `strategy=ddp` for large folders: each file is predicted once, by one process, and rank 0 writes the
+rows in the inputs' order. `prepare` runs before launch (no torch); `predict` in every process.
+"""
+
+import csv
+import glob
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from starter.errors import UserError
+from starter.preflight import settle
+from starter.topology import Layout, Traits
+
+log = logging.getLogger(__name__)
+SHOWN = 5  # rows printed, and the top classes each row lists
+
+
+def prepare(cfg: DictConfig) -> Layout:
+    layout, traits = settle(cfg, int(cfg.batch_size)), Traits.of(cfg.strategy)
+    if not traits.whole_weights:
+        raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
+                        " a checkpoint of any strategy loads into either")  # fmt: skip
+    cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "inputs.txt").write_text("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
+    return layout
+
+
+def weights_path(spec: str, log_dir: Path) -> Path:
+    """The checkpoint `ckpt_path` names: a file or sharded directory; a run directory's best.ckpt (what its test
+    evaluated), else its model.pt; `last`: the newest run directory under `log_dir` that has either."""
+    if spec == "last":
+        found = [p.parent.parent for p in log_dir.glob("**/checkpoints/*") if p.name in ("best.ckpt", "model.pt")]
+        if not found:
+            raise UserError(f"ckpt_path=last: no trained run under {log_dir}; train first or give a path")
+        path = max(found, key=lambda run: (run / "checkpoints").stat().st_mtime)
+    else:
+        path = Path(spec)
+    for candidate in (path / "checkpoints" / "best.ckpt", path / "checkpoints" / "model.pt"):
+        if (path / "checkpoints").is_dir() and candidate.exists():
+            return candidate
+    if not path.exists() or (path / "checkpoints").is_dir():
+        raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
+    return path
+
+
+def input_files(spec: str) -> list[str]:
+    """The files `inputs` names: one file, every file under a folder, or a glob's matches, sorted."""
+    path = Path(spec)
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    elif path.is_file():
+        files = [path]
+    else:
+        files = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
+    if not files:
+        what = (
+            "folder holds no file" if path.is_dir() else "glob matches no file" if glob.has_magic(spec) else "no file"
+        )
+        raise UserError(f"inputs={spec}: the {what}; give an image, a folder of images or a glob such as 'dir/*.jpg'")
+    return sorted(str(p) for p in files)
+
+
+def predict(cfg: DictConfig) -> dict:
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from starter.checkpointing.inference import load_for_inference
+    from starter.data.base import ImagesToPredict
+    from starter.run import build_trainer, end_process_group, start_process
+
+    class Collect(Callback):  # each batch's top classes and the files' places, on the host
+        def __init__(self):
+            self.rows = []
+
+        def on_predict_batch_end(self, trainer, module, probabilities, batch, batch_idx, dataloader_idx=0):
+            top = probabilities.topk(min(SHOWN, probabilities.shape[-1]), dim=-1)
+            self.rows += zip(batch[1].tolist(), top.indices.tolist(), top.values.tolist())
+
+    start_process(cfg)
+    model, record = load_for_inference(Path(cfg.ckpt_path))
+    run_dir = Path(cfg.paths.output_dir)
+    paths = (run_dir / "inputs.txt").read_text().splitlines()
+    images = ImagesToPredict(paths, record, int(cfg.batch_size), int(cfg.num_workers), bool(cfg.skip_unreadable))
+    collect = Collect()
+    trainer = build_trainer(cfg, Layout.of(cfg), [collect], loggers=[])
+    trainer.predict(model, datamodule=images, return_predictions=False)
+    rows = collect.rows
+    if torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, rows)
+        rows = [row for part in everyone for row in part]
+    if trainer.is_global_zero:
+        write_predictions(run_dir / "predictions.csv", sorted(rows), paths, record["classes"])
+    end_process_group()
+    return {}
+
+
+def write_predictions(path: Path, rows: list, paths: list[str], classes: list[str]) -> None:
+    top_k = len(classes) > SHOWN
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["path", "class", "probability"] + (["top5"] if top_k else []))
+        for index, top, chances in rows:
+            line = [paths[index], classes[top[0]], f"{chances[0]:.4f}"]
+            out.writerow(line + ([" ".join(f"{classes[c]}:{p:.4f}" for c, p in zip(top, chances))] if top_k else []))
+    if skipped := len(paths) - len(rows):
+        log.warning("%d of %d inputs unreadable and skipped (skip_unreadable=true): the warnings above name them",
+                    skipped, len(paths))  # fmt: skip
+    shown = path.read_text().splitlines()[: SHOWN + 1]
+    print(f"{len(rows)} predictions in {path}:", *shown, sep="\n", file=sys.stdout, flush=True)

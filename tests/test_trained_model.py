@@ -1,0 +1,166 @@
+"""From a trained run to answers: predict.py on the images of the run's test split gives its test accuracy (one
+process and ddp), the weights carry what inference needs, export.py writes files that give the model's logits from
+uint8 pixels for every shipped net, fine-tuning starts from weights only (a new head said in one line, a backbone
+frozen at first), and bad input is one line."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import (
+    compose_config,
+    correct,
+    model_weights,
+    predict,
+    predictions,
+    read_metrics,
+    run_dirs,
+    train,
+)
+
+
+def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, digit_files, tmp_path):
+    _, run_dir, _ = default_run
+    proc = predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={digit_files}")
+    rows = predictions(proc)
+    assert [r["path"] for r in rows] == sorted(str(p) for p in digit_files.iterdir())  # each once, in input order
+    assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)  # best.ckpt: what the run tested
+    assert all(f"{r['path']},{r['class']}," in proc.stdout for r in rows[:5])  # the first rows shown
+    assert rows[0].keys() == {"path", "class", "probability", "top5"}  # more than 5 classes: the top 5
+
+
+@pytest.mark.slow
+def test_predicting_under_ddp_gives_every_file_once_in_input_order(default_run, digit_files, tmp_path):
+    _, run_dir, _ = default_run
+    rows = predictions(predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={digit_files}/*.png", "strategy=ddp",
+                               "devices=2", "num_workers=1"))  # fmt: skip
+    assert [r["path"] for r in rows] == sorted(str(p) for p in digit_files.iterdir())
+    assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)
+
+
+NETS = ["mlp", "cnn", "vit"]  # every shipped net
+NETS += ["resnet18", "resnet50", "vit_s16"]  # full examples
+IMAGES_224 = ["data=synthetic", "data.num_classes=10"]  # 3 x 224 x 224
+
+
+def weights_file(tmp_path, model: str, *overrides: str):
+    """A model.pt as training writes it (random weights), for `model` on the default data or 224x224 images."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = compose_config([f"model={model}", *overrides], tmp_path / "run")
+    config = OmegaConf.to_container(cfg.model, resolve=True)
+    shape = list(cfg.data.image_shape)
+    record = {"model": config, "image_shape": shape, "value_range": 255.0, "mean": [0.4] * shape[0],
+              "std": [0.25] * shape[0], "classes": [f"c{i}" for i in range(10)], "resize": None,
+              "crop": None}  # fmt: skip
+    path = tmp_path / f"{model}.pt"
+    torch.save({"state_dict": instantiate(config).state_dict(), "inference": record}, path)
+    return path
+
+
+def export(tmp_path, path, fmt: str):
+    from omegaconf import OmegaConf
+
+    from starter.export import export
+
+    out = tmp_path / fmt
+    out.mkdir()
+    cfg = OmegaConf.create({"ckpt_path": str(path), "format": fmt, "tolerance": 1e-4, "seed": 0,
+                            "paths": {"output_dir": str(out)}})  # fmt: skip
+    export(cfg)
+    return next(out.glob("model.*"))
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torch_export"])
+@pytest.mark.parametrize("model", NETS)
+def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logits(model, fmt, tmp_path, capsys):
+    large = model not in ("mlp", "cnn", "vit")
+    path = weights_file(tmp_path, model, *(IMAGES_224 if large else []))
+    exported = export(tmp_path, path, fmt)
+    said = capsys.readouterr().out  # checked before it is called done, on a batch of 3 (traced with 2)
+    assert re.search(r"checked on a batch of 3 against the model: largest difference \S+", said), said
+    shape = (5, 3, 224, 224) if large else (5, 1, 8, 8)
+    pixels = torch.randint(0, 256, shape, dtype=torch.uint8)
+    if fmt == "torch_export":  # torch alone runs it
+        got = torch.export.load(exported).module()(pixels)
+    else:
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(None, {"images": pixels.numpy()})[0])
+    from starter.checkpointing.inference import load_for_inference
+
+    model_, record = load_for_inference(path)
+    mean, std = (torch.tensor(record[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        expected = model_((pixels.float() / 255 - mean) / std)
+    assert (got - expected).abs().max() <= 1e-4
+
+
+def test_a_net_that_cannot_be_exported_is_refused_in_one_line(tmp_path):
+    from starter.errors import UserError
+
+    path = weights_file(tmp_path, "mlp", "model.net._target_=probes.TakesBranches", "~model.net.width",
+                        "~model.net.depth")  # fmt: skip
+    with pytest.raises(UserError, match="TakesBranches does not export to torch_export: "):
+        export(tmp_path, path, "torch_export")
+    assert not list((tmp_path / "torch_export").iterdir())  # nothing half-made is left
+
+
+ZERO_EPOCHS = ["trainer.max_epochs=0", "test=false"]  # model.pt: the weights a run starts from
+
+
+def test_init_from_starts_from_weights_only_a_head_of_another_class_count_fresh_and_said(default_run, tmp_path):
+    _, run_dir, _ = default_run
+    five = ["data=synthetic", "data.image_shape=[1,8,8]", "data.num_classes=5", "data.train_size=64"]
+    proc = train(tmp_path / "run", *ZERO_EPOCHS, *five, f"init_from={run_dir / 'checkpoints' / 'model.pt'}")
+    assert "its head (net.5) has 10 outputs, this model 5 classes: the head starts freshly initialised" in proc.stdout
+    source, started = model_weights(run_dir), model_weights(run_dirs(tmp_path / "run")[0])
+    assert all(torch.equal(source[k], started[k]) for k in source if not k.startswith("net.5."))
+    assert started["net.5.weight"].shape == (5, 256)
+    net_only = {k.removeprefix("net."): v for k, v in source.items()}  # a plain state dict of the net
+    torch.save(net_only, tmp_path / "net.pt")
+    train(tmp_path / "plain", *ZERO_EPOCHS, f"init_from={tmp_path / 'net.pt'}")
+    assert all(torch.equal(source[k], v) for k, v in model_weights(run_dirs(tmp_path / "plain")[0]).items())
+    other = train(tmp_path / "other", *ZERO_EPOCHS, "model=cnn", f"init_from={tmp_path / 'net.pt'}", expect_ok=False)
+    assert other.returncode == 2 and "holds weights of another model (missing ['net.0.bias'" in other.stderr
+
+
+@pytest.mark.slow
+def test_a_backbone_frozen_for_an_epoch_keeps_its_weights_then_trains_alike_under_ddp(tmp_path):
+    frozen = ["debug=limit", "test=false", "callbacks.freeze_backbone.epochs=1"]
+    start = model_weights(train(tmp_path / "start", *ZERO_EPOCHS) and run_dirs(tmp_path / "start")[0])
+    one = model_weights(train(tmp_path / "one", *frozen, "trainer.max_epochs=1") and run_dirs(tmp_path / "one")[0])
+    two = model_weights(train(tmp_path / "two", *frozen) and run_dirs(tmp_path / "two")[0])
+    ddp = model_weights(train(tmp_path / "ddp", *frozen, "strategy=ddp", "devices=2") and run_dirs(tmp_path / "ddp")[0])
+    backbone = [k for k in start if not k.startswith("net.5.")]
+    assert all(torch.equal(start[k], one[k]) for k in backbone) and not torch.equal(
+        start["net.5.weight"], one["net.5.weight"]
+    )
+    assert not all(torch.equal(start[k], two[k]) for k in backbone)  # then it trains
+    assert max((ddp[k] - two[k]).abs().max().item() for k in two) <= 1e-5  # its gradients averaged over the ranks too
+
+
+def test_bad_inputs_are_one_line_or_skipped_and_counted(default_run, digit_files, tmp_path):
+    _, run_dir, _ = default_run
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for image in sorted(digit_files.iterdir())[:3]:
+        (mixed / image.name).write_bytes(image.read_bytes())
+    (mixed / "notes.txt").write_text("not an image")
+    (mixed / "truncated.png").write_bytes((digit_files / "0000_0.png").read_bytes()[:30])
+    weights = f"ckpt_path={run_dir}"
+    refused = predict(tmp_path / "a", weights, f"inputs={mixed}", expect_ok=False)
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+    assert refused.returncode == 2 and line.startswith(f"error: cannot read image {mixed / 'notes.txt'}")
+    skipped = predict(tmp_path / "b", weights, f"inputs={mixed}", "skip_unreadable=true")
+    assert len(predictions(skipped)) == 3 and "2 of 5 inputs unreadable and skipped" in skipped.stderr + skipped.stdout
+    (tmp_path / "empty").mkdir()
+    for inputs, said in ((tmp_path / "empty", "the folder holds no file"), (f"{mixed}/*.jpg", "the glob matches no")):
+        proc = predict(tmp_path / "c", weights, f"inputs={inputs}", expect_ok=False)
+        assert proc.returncode == 2 and said in proc.stderr
+    torch.save({"net.0.weight": torch.zeros(1)}, tmp_path / "foreign.pt")  # weights without their inference record
+    proc = predict(tmp_path / "d", f"ckpt_path={tmp_path / 'foreign.pt'}", f"inputs={mixed}", expect_ok=False)
+    assert proc.returncode == 2 and "holds no inference record" in proc.stderr
