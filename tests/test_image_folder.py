@@ -15,16 +15,22 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import as_rank, compose_config, read_metrics, run_dirs, train
+from conftest import ROOT, as_rank, compose_config, model_weights, predict, predictions, read_metrics, run_dirs, train
 from starter.data.image_files import load_image
 from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
 from starter.data.imagenet_archives import prepare as prepare_archives
 from starter.errors import UserError
 from starter.preflight import prepare
 
+README = ROOT / "README.md"
+
 
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
+    return make_image_folder(tmp_path)
+
+
+def make_image_folder(tmp_path: Path) -> Path:
     """An ImageFolder tree of 3 classes, 6 train and 2 val JPEGs each, whose colour gives the class."""
     root = tmp_path / "images"
     colours = {"cat": (200, 30, 30), "dog": (30, 200, 30), "fox": (30, 30, 200)}
@@ -237,11 +243,74 @@ def test_the_published_resnet50_recipe_composes_and_runs_a_batch(image_folder, t
     assert proc.returncode == 0
 
 
-def test_image_folder_trains_resnet18(image_folder, tmp_path):
-    train(tmp_path, "data=imagenet", f"data.root={image_folder}", "model=resnet18", "data.image_shape=[3,32,32]",
-          "data.num_classes=3", "data.num_workers=0", "data.batch_size=6", "trainer.max_epochs=1")  # fmt: skip
-    (run_dir,) = run_dirs(tmp_path)
-    assert 0 <= read_metrics(run_dir)["test/acc"] <= 1 and (run_dir / "checkpoints" / "last.ckpt").is_file()
+FOLDER = [
+    "data=imagenet",
+    "data.image_shape=[3,32,32]",
+    "data.num_classes=3",
+    "data.num_workers=0",
+    "data.batch_size=6",
+]
+
+
+def test_resnet18_starts_from_torchvision_weights_fetched_by_torchvision_with_a_new_head(image_folder, tmp_path,
+                                                                                         monkeypatch):  # fmt: skip
+    # Nothing downloads here: torchvision's own code finds the file where its download would have put it.
+    from torchvision.models import get_model, get_model_weights
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    url = get_model_weights("resnet18")["IMAGENET1K_V1"].url
+    (tmp_path / "torch" / "hub" / "checkpoints").mkdir(parents=True)
+    published = get_model("resnet18").state_dict()  # 1000 classes, as the published file
+    torch.save(published, tmp_path / "torch" / "hub" / "checkpoints" / url.rsplit("/", 1)[1])
+    proc = train(tmp_path, *FOLDER, f"data.root={image_folder}", "model=resnet18", "model.net.weights=IMAGENET1K_V1",
+                 "trainer.max_epochs=0", "test=false")  # fmt: skip
+    assert "resnet18's IMAGENET1K_V1 weights are for 1000 classes: its head (fc) starts freshly initialised for 3" in (
+        proc.stdout
+    )
+    started = model_weights(run_dirs(tmp_path)[0])
+    assert all(torch.equal(published[k], started[f"net.{k}"]) for k in published if not k.startswith("fc."))
+    assert started["net.fc.weight"].shape == (3, 512)
+    snippet = README.read_text().split("<!-- the torch-only snippet -->\n```python\n")[1].split("```")[0]
+    image = image_folder / "val" / "dog" / "0.JPEG"
+    code = snippet.replace('"model.pt"', repr(str(run_dirs(tmp_path)[0] / "checkpoints" / "model.pt")))
+    code = code.replace('"cat.jpg"', repr(str(image))) + "\nprint(json.dumps(logits.tolist()))"
+    assert len([line for line in snippet.splitlines() if line]) <= 11  # the README's, with torch and torchvision alone
+    out = subprocess.run([sys.executable, "-c", "import json, sys; sys.modules['starter'] = None\n" + code],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    from starter.checkpointing.inference import load_for_inference
+    from starter.data.image_files import evaluation_transform
+
+    model, record = load_for_inference(run_dirs(tmp_path)[0] / "checkpoints" / "model.pt")
+    pixels = evaluation_transform(record["resize"], record["crop"])(load_image(str(image)))[None]
+    mean, std = (torch.tensor(record[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        expected = model((pixels.float() / 255 - mean) / std)[0]
+    assert torch.allclose(torch.tensor(json.loads(out.splitlines()[-1])), expected, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """The small MLP trained on an image folder (3 classes of coloured images, 32x32 crops)."""
+    tmp_path = tmp_path_factory.mktemp("folder")
+    root = make_image_folder(tmp_path)
+    train(tmp_path, *FOLDER, f"data.root={root}", "trainer.max_epochs=3")
+    return root, run_dirs(tmp_path)[0]
+
+
+@pytest.mark.parametrize("processes", [["strategy=auto"], ["strategy=ddp", "devices=2", "num_workers=1"]])
+def test_predicting_a_folders_val_split_gives_the_runs_test_accuracy(folder_run, processes, tmp_path):
+    root, run_dir = folder_run
+    rows = predictions(predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={root / 'val'}", *processes))
+    assert [r["path"] for r in rows] == sorted(str(p) for p in (root / "val").rglob("*.JPEG"))
+    right = sum(r["class"] == Path(r["path"]).parent.name for r in rows)
+    assert right == round(read_metrics(run_dir)["test/acc"] * 6)  # val is the test split: the same 6 images
+
+
+def test_a_grayscale_image_of_any_size_is_converted_and_resized_as_at_test_time(folder_run, tmp_path):
+    root, run_dir = folder_run
+    Image.fromarray(np.full((50, 70), 120, dtype=np.uint8)).save(tmp_path / "gray.png")
+    (row,) = predictions(predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={tmp_path / 'gray.png'}"))
+    assert row["class"] in ("cat", "dog", "fox") and 0 < float(row["probability"]) <= 1
 
 
 def test_image_folder_without_val_is_one_clear_error(image_folder, tmp_path):

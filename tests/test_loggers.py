@@ -4,6 +4,7 @@ opens the store (one run for a ddp run of 2 processes), and a multirun is one ru
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import compose_config, run_dirs, sweep_jobs, train
 from starter.errors import UserError
@@ -82,3 +83,19 @@ def wandb_records(path):
             record.ParseFromString(pending)
             yield record
             pending = b""
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_failed_run_is_marked_failed(tmp_path):
+    short = ["logger=wandb", "debug=limit", "test=false"]
+    train(tmp_path, *short, "trainer.max_epochs=1")
+    train(tmp_path, *short, "trainer.max_epochs=2", "ckpt_path=last")  # a new directory, the same W&B run
+    first, resumed = run_dirs(tmp_path)
+    ids = [OmegaConf.load(run / "config.yaml").logger.wandb.id for run in (first, resumed)]
+    assert ids[0] == ids[1] and all(len(list((run / "wandb").glob(f"offline-run-*-{ids[0]}"))) == 1
+                                    for run in (first, resumed))  # fmt: skip
+    failed = train(tmp_path / "failed", *short, "+callbacks.bug._target_=probes.RaiseAtStep", "+callbacks.bug.step=2",
+                   "+callbacks.bug.rank=0", expect_ok=False)  # fmt: skip
+    assert failed.returncode == 1
+    (run,) = (run_dirs(tmp_path / "failed")[0] / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(run) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]  # finished as failed, not left running
