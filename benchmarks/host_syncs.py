@@ -24,7 +24,7 @@ from pathlib import Path
 import lightning as L
 
 from benchmarks.common import RESULTS, train_command
-from starter.callbacks.logging_step import is_logging_step
+from starter.models.logging_step import is_logging_step
 
 CONVERSIONS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",

@@ -398,8 +398,6 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
 
 
 # full examples: end
-
-
 @pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
                                                ("srun", "SIGKILL")])  # fmt: skip
 def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):

@@ -10,8 +10,8 @@ the first bad step; training stops at most `trainer.log_every_n_steps` steps aft
 import lightning as L
 import torch
 
-from starter.callbacks.logging_step import is_logging_step
 from starter.errors import UserError
+from starter.models.logging_step import is_logging_step
 
 NONE_YET = 2**62  # the first bad batch's index when there is none (the minimum over ranks is the first)
 

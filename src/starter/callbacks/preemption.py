@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from starter.callbacks.logging_step import is_logging_step
+from starter.models.logging_step import is_logging_step
 
 
 class SaveOnSigterm(L.Callback):

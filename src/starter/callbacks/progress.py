@@ -10,7 +10,7 @@ import time
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from starter.callbacks.epoch_stats import EPOCH_FIGURES
-from starter.callbacks.logging_step import is_logging_step
+from starter.models.logging_step import is_logging_step
 
 
 def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar | None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 
-from starter.callbacks.logging_step import is_logging_step
+from starter.models.logging_step import is_logging_step
 
 
 class SampleMean(Metric):

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from starter.callbacks.logging_step import is_logging_step, steps_optimizer
 from starter.errors import UserError
+from starter.models.logging_step import is_logging_step, steps_optimizer
 from starter.strategies.pipeline_plan import PIPELINE_SCHEDULES, stages_per_process
 
 
