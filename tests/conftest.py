@@ -332,7 +332,8 @@ def mnist_dir(tmp_path: Path) -> Path:
 def default_run(tmp_path_factory):
     """The default single-process run (digits + MLP, 20 epochs), shared by the tests that inspect it."""
     tmp_path = tmp_path_factory.mktemp("default")
-    proc = train(tmp_path, "trainer.enable_progress_bar=true")  # as users run it; stdout is a pipe here
+    proc = train(tmp_path, "trainer.enable_progress_bar=true", "trainer.enable_model_summary=true")  # as users run it;
+    # stdout is a pipe here
     (run_dir,) = run_dirs(tmp_path)
     return tmp_path, run_dir, proc
 

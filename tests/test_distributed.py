@@ -37,10 +37,9 @@ def test_two_processes_match_one_process_in_one_run_directory(strategy, default_
 
     checkpoints = sorted(p.name for p in run_dir.rglob("*.ckpt"))
     assert checkpoints == ["best.ckpt", "last.ckpt"] and len(list(run_dir.rglob("metrics.csv"))) == 1
-    out = proc.stdout + proc.stderr
-    header = f"{'metric':<{len('train/images_per_s')}}  value"  # the table, padded to the longest name
-    for line in (header, "`Trainer.fit` stopped: `max_epochs=20` reached.", "GPU available: "):
-        assert out.count(line) == 1, line  # rank 0 speaks, rank 1 does not
+    lines = (proc.stdout + proc.stderr).splitlines()  # rank 0 speaks, rank 1 does not: each line once
+    said = [line for line in lines if not line.startswith("epoch ") and not line.startswith(("train/", "val/"))]
+    assert len(said) == len(set(said)) and len([line for line in lines if line.startswith("epoch ")]) == 20
 
 
 def test_worker_error_stops_all_workers_with_one_message(tmp_path):

@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,8 +56,32 @@ def test_default_run_leaves_every_output_in_one_directory(default_run):
     assert (run_dir / "learning_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "${" not in (run_dir / "config.yaml").read_text()  # resolved
     width = len("train/images_per_s")  # the longest name
-    header, test_acc = f"{'metric':<{width}}  value", f"{'test/acc':<{width}}  {read_metrics(run_dir)['test/acc']:.4f}"
-    assert proc.stdout.count(header) == 1 and test_acc in proc.stdout
+    header, test_acc = f"{'metric':<{width}}  value", f"{'test/acc':<{width}}  {read_metrics(run_dir)['test/acc']:.4g}"
+    assert proc.stdout.count(header) == 1 and f"{test_acc}    (checkpoints/best.ckpt)" in proc.stdout
+
+
+def test_a_healthy_run_prints_what_runs_its_epochs_the_tested_checkpoint_the_table_and_where_it_is(default_run):
+    # Nothing else: Lightning's notices, library chatter and Python's warnings go to train.log only.
+    _, run_dir, proc = default_run
+    lines = proc.stdout.splitlines() + proc.stderr.splitlines()
+    table = len(read_metrics(run_dir)) + 2
+    start = lines.index(next(line for line in lines if line.startswith("metric ")))
+    said = [line for line in lines[:start] + lines[start + table :] if not line.startswith("epoch ")]
+    relative = Path(os.path.relpath(run_dir, run_dir.parents[3]))  # the test ran in the logs' parent directory
+    best = f"epoch {best_epoch(run_dir)}, val/acc {read_metrics(run_dir)['val/acc_best']:.4g}"
+    assert said == [
+        f"train: data=digits model=mlp strategy=auto precision=32, 1 process on cpu -> {relative}",
+        f"testing checkpoints/best.ckpt ({best})",
+        f"run directory: {relative}",
+    ]
+    log = (run_dir / "train.log").read_text()  # where everything else goes: the model's summary, with real rows
+    assert "MLP: 85,002 parameters, 0.169 MFLOPs per image\n0      Flatten" in log and "SampleMean" not in log
+
+
+def best_epoch(run_dir) -> int:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        accs = [float(r["val/acc"]) for r in csv.DictReader(f) if r.get("val/acc")]
+    return accs.index(max(accs)) + 1
 
 
 def test_progress_in_a_log_file_is_one_line_per_epoch(default_run):

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from starter.errors import UserError
+from starter.loggers.report import shown
 from starter.predict import weights_path
 from starter.preflight import settle
 from starter.topology import Layout
@@ -82,7 +83,7 @@ def export(cfg: DictConfig) -> dict:
         raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
                         f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
     c, h, w = shape
-    print(f"exported {out}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked on a"
+    print(f"exported {shown(out)}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked on a"
           f" batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
     return {}
 

@@ -7,18 +7,23 @@ the fork server) is imported only where several processes start.
 
 import importlib
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
 from starter.launch.environment import launched_by
+from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Traits
+from starter.topology import Layout, Traits, device_type
+
+log = logging.getLogger(__name__)
 
 TRAIN = "starter.run:run"  # the job each process runs: "module:function", called with the resolved config
 # What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it asking
@@ -28,12 +33,17 @@ WORKER_PRELOAD = ("starter.launch.worker", "starter.run")
 
 def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
+    logging.captureWarnings(True)  # Python's warnings to the log file (loggers/console.py); the console's are ours
     try:
         layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = save_resolved(cfg, run_dir / "config.yaml")
         launcher = launched_by(layout.world, Traits.of(cfg.strategy).multi_process)
+        with open_dict(cfg):  # the log file this job's Hydra writes, which rank 0's worker continues
+            cfg.log_file = str(run_dir / f"{HydraConfig.get().job.name if HydraConfig.initialized() else 'train'}.log")
+        config_path = save_resolved(cfg, run_dir / "config.yaml")
+        console(cfg, launcher)
+        log.info("%s: %s", cfg.task_name, what_runs(cfg, layout))
         if launcher == "ours":
             metrics = launch(cfg, config_path, layout, job)
         elif launcher is not None:  # torchrun's workers, srun's tasks: each a rank
@@ -57,6 +67,24 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def console(cfg: DictConfig, launcher: str | None) -> None:
+    """verbose=true: every logger's lines on the console. A rank torchrun or srun started other than rank 0: its
+    warnings and errors only (rank 0 alone speaks)."""
+    for handler in logging.getLogger().handlers:
+        if cfg.get("verbose") and isinstance(handler, logging.StreamHandler):
+            handler.filters.clear()
+        if launcher in ("torchrun", "slurm") and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) > 0:
+            handler.setLevel(max(handler.level, logging.WARNING))
+
+
+def what_runs(cfg: DictConfig, layout: Layout) -> str:
+    """`data=digits model=mlp strategy=auto precision=32, 1 process on cpu -> logs/train/runs/...`"""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    picked = [f"{group}={choices[group]}" for group in ("data", "model", "strategy") if choices.get(group)]
+    processes = f"{layout.world} process{'es' if layout.world > 1 else ''} on {device_type(cfg)}"
+    return f"{' '.join([*picked, f'precision={cfg.precision}'])}, {processes} -> {shown(cfg.paths.output_dir)}"
 
 
 def job_function(job: str) -> Callable[[DictConfig], dict]:

@@ -19,7 +19,7 @@ from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.launch.environment import external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
-from starter.loggers.report import write_run_outputs
+from starter.loggers.report import log_model_summary, write_run_outputs
 from starter.strategies.build import build_strategy
 from starter.strategies.precision import precision_plugin
 from starter.topology import Layout, Traits, device_type
@@ -35,6 +35,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model = build(cfg.model)
     if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
         load_initial_weights(model, Path(cfg.init_from))
+    if cfg.trainer.get("enable_model_summary") and int(os.environ.get("RANK", 0)) == 0 and "image_shape" in cfg.data:
+        log_model_summary(model, cfg.data.image_shape)
     if cfg.get("channels_last"):
         use_channels_last(model, weights=traits.channels_last_weights)
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
@@ -66,17 +68,20 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)
+    ckpt_path = cfg.ckpt_path
     if cfg.test:
         if cfg.train:
-            best = [c.best_model_path for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
-            ckpt_path = best[0] if best else None  # no best checkpoint (callbacks=none, fast_dev_run): final weights
-        else:
-            ckpt_path = cfg.ckpt_path
+            best = [c for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
+            ckpt_path = best[0].best_model_path if best else None  # none (callbacks=none, fast_dev_run): final weights
+            if best and trainer.is_global_zero:
+                log.info("testing %s (epoch %d, %s %.4g)", in_run(ckpt_path, cfg), saved_epoch(Path(ckpt_path)),
+                         best[0].monitor, float(best[0].best_model_score))  # fmt: skip
         with refusing_pickled_code(ckpt_path):
             trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
-        write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor)
+        tested = in_run(ckpt_path, cfg) if ckpt_path else "the final weights"
+        write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor, tested if cfg.test else None)
     return metrics
 
 
@@ -90,6 +95,7 @@ def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: lis
     """The trainer of `cfg.trainer`, with the strategy, precision and cluster environment of the run."""
     return build(
         cfg.trainer,
+        enable_model_summary=False,  # the run logs one of its own (loggers/report.py): the net's rows, its FLOPs
         strategy=build_strategy(cfg.strategy, layout),
         callbacks=callbacks,
         logger=loggers or False,
@@ -165,6 +171,18 @@ def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
 
 def _channels_last_input(conv, args):
     return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
+
+
+def in_run(path, cfg: DictConfig) -> str:
+    """A path as the run's outputs name it: within its run directory (checkpoints/best.ckpt), else as given."""
+    relative = os.path.relpath(path, cfg.paths.output_dir)
+    return str(path) if relative.startswith("..") else relative
+
+
+def saved_epoch(checkpoint: Path) -> int:
+    """The epoch a checkpoint was saved in (a sharded one says it in its meta.pt); 1-based, as the epoch lines."""
+    saved = torch.load(checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint, mmap=True, weights_only=True)
+    return int(saved["epoch"]) + 1
 
 
 def _floats(metrics) -> dict[str, float]:

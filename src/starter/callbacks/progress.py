@@ -23,11 +23,12 @@ def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar |
 
 
 def logged_training_values(trainer, values: dict[str, float]) -> None:
-    """At a logging step: the module's `train/...` values, read (one host sync) into `values`. Not the epoch's
-    figures (epoch_stats.py): during an epoch, callback_metrics still hold the previous epoch's."""
+    """At a logging step: the module's `train/...` values, read (one host sync) into `values`, with the step they are
+    of. Not the epoch's figures (epoch_stats.py): during an epoch, callback_metrics still hold the previous epoch's."""
     if is_logging_step(trainer):
         metrics = trainer.callback_metrics.items()
         values.update({k: float(v) for k, v in metrics if k.startswith("train/") and k not in EPOCH_FIGURES})
+        values["step"] = trainer.global_step  # optimizer steps done, this one's included
 
 
 class TimedBar(TQDMProgressBar):
@@ -43,7 +44,8 @@ class TimedBar(TQDMProgressBar):
         return True
 
     def get_metrics(self, trainer, pl_module) -> dict:
-        return {**self.training_values, **super().get_metrics(trainer, pl_module)}
+        training = {k: v for k, v in self.training_values.items() if k != "step"}
+        return {**training, **super().get_metrics(trainer, pl_module)}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         logged_training_values(trainer, self.training_values)
@@ -60,7 +62,8 @@ class TimedBar(TQDMProgressBar):
 
 
 class EpochLines(ProgressBar):
-    """`epoch 3/20: 19 steps in 1.2 s, train/loss 0.312, val/acc 0.952, val/loss 0.171`, printed by rank 0."""
+    """`epoch 3/20: 19 steps in 1.2 s; at step 57: train/loss 0.312; val/acc 0.952, val/loss 0.171`, printed by rank 0:
+    the training figures of the epoch's last logging step (one batch of one rank), the validation's of the epoch."""
 
     def __init__(self):
         super().__init__()
@@ -81,8 +84,12 @@ class EpochLines(ProgressBar):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not self.enabled:
             return
-        values = {**self.training_values, **trainer.progress_bar_metrics}
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        line = f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
-        line += f" {time.monotonic() - self.started:.1f} s"
-        print(", ".join([line, *(f"{k} {v:.4g}" for k, v in sorted(values.items()))]), flush=True)
+        parts = [f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
+                 f" {time.monotonic() - self.started:.1f} s"]  # fmt: skip
+        training = dict(self.training_values)
+        if step := training.pop("step", None):
+            parts.append(f"at step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(training.items())))
+        if trainer.progress_bar_metrics:
+            parts.append(", ".join(f"{k} {v:.4g}" for k, v in sorted(trainer.progress_bar_metrics.items())))
+        print("; ".join(parts), flush=True)

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from starter.launch.fork_server import SERVER_IGNORES
 from starter.launch.launcher import join_rendezvous, name_process
 from starter.launch.watchdog import Watchdog
+from starter.loggers.console import set_up_logging
 
 
 def forked(env: dict, config_path: str, port_to, job: str) -> None:
@@ -43,14 +44,9 @@ def main(config_path: str, port_to, job: str) -> int:
     rank = int(os.environ.get("RANK", 0))
     name_process(f"rank {rank}")
     cfg = OmegaConf.load(config_path)
-    handlers = [logging.StreamHandler()]
-    if rank == 0:  # rank 0 continues the run's log file; other ranks only warn, so no console line is repeated
-        handlers.append(logging.FileHandler(Path(cfg.paths.output_dir) / "train.log"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
-        handlers=handlers,
-    )
+    # rank 0 continues the run's log file and console; other ranks only warn, so no console line is repeated
+    log_file = Path(cfg.log_file) if rank == 0 else None
+    set_up_logging(log_file, logging.INFO if rank == 0 else logging.WARNING, bool(cfg.get("verbose")))
     import torch
 
     module, name = job.split(":")

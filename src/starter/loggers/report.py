@@ -3,24 +3,35 @@
 import csv
 import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
-def write_run_outputs(run_dir: Path, metrics: dict[str, float], monitor: str) -> None:
+def write_run_outputs(run_dir: Path, metrics: dict[str, float], monitor: str, tested: str | None) -> None:
+    """`tested`: the checkpoint the test/* figures are of."""
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if (run_dir / "metrics.csv").is_file():
         plot_learning_curves(run_dir / "metrics.csv", run_dir / "learning_curves.png", monitor)
-    print(format_table(metrics), flush=True)
-    log.info("run directory: %s", run_dir)
+    print(format_table(metrics, tested), flush=True)
+    log.info("run directory: %s", shown(run_dir))
 
 
-def format_table(metrics: dict[str, float]) -> str:
+def format_table(metrics: dict[str, float], tested: str | None = None) -> str:
+    """Figures in 4 significant digits; the test's marked with the checkpoint they are of."""
     width = max([len("metric")] + [len(k) for k in metrics])
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  ------"]
-    lines += [f"{name:<{width}}  {value:.4f}" for name, value in sorted(metrics.items())]
+    for name, value in sorted(metrics.items()):
+        of = f"  ({tested})" if tested and name.startswith("test/") else ""
+        lines.append(f"{name:<{width}}  {value:<8.4g}{of}".rstrip())
     return "\n".join(lines)
+
+
+def shown(path) -> str:
+    """A path as a user reads it: relative to the working directory where it is inside it."""
+    relative = os.path.relpath(path)
+    return str(path) if relative.startswith("..") else relative
 
 
 def read_metrics_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -56,3 +67,25 @@ def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def log_model_summary(model, image_shape) -> None:
+    """The net's layers with their parameters, and its FLOPs for one image where a forward pass can count them, to
+    the run's log file (and the console with verbose=true): the rows that matter, no metric objects."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = getattr(model, "net", model)
+    rows = [(name, type(layer).__name__, sum(p.numel() for p in layer.parameters()))
+            for name, layer in net.named_children()]  # fmt: skip
+    flops = "not counted"
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            net(torch.zeros(1, *image_shape))
+        flops = f"{counter.get_total_flops() / 1e6:.4g} MFLOPs per image"
+    except Exception:  # a net of one's own that takes other input
+        pass
+    width = max([len(name) for name, _, _ in rows] + [5])
+    lines = [f"{name:<{width}}  {kind:<20}  {count:>12,}" for name, kind, count in rows]
+    total = sum(p.numel() for p in net.parameters())
+    logging.getLogger("summary").info("\n".join([f"{type(net).__name__}: {total:,} parameters, {flops}", *lines]))

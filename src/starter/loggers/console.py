@@ -1,0 +1,32 @@
+"""What a healthy run prints on the console: this starter's own lines (what runs, the epochs, the tested checkpoint,
+the table, where the run is) and anything at ERROR. The rest (Lightning's notices, libraries' chatter, Python's
+warnings) goes to the run's log file only; `verbose=true` prints it all."""
+
+import logging
+from pathlib import Path
+
+FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file's
+
+
+class Console(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("starter") or record.levelno >= logging.ERROR
+
+
+def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, verbose: bool = False) -> None:
+    """A process's logging as a Hydra job's (conf/hydra/default.yaml): for launched workers, and ranks other than 0
+    (`console_level` WARNING: rank 0 alone speaks)."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    console = logging.StreamHandler()
+    console.setLevel(console_level)
+    if not verbose:
+        console.addFilter(Console())
+    root.addHandler(console)
+    if log_file is not None:
+        file = logging.FileHandler(log_file)
+        file.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(file)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
