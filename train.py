@@ -3,6 +3,9 @@
 Only Hydra is imported here, so `--help` and config errors stay fast; torch and Lightning load once a run starts.
 """
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,5 +21,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):  # Hydra's own help composes every group's options: 1 s more
+        from starter.main import usage
+
+        raise SystemExit(print(usage(Path(__file__).parent / "conf")))
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main)

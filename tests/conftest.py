@@ -195,7 +195,9 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
 def predict(tmp_path: Path, *overrides: str, **kwargs):
     """`python predict.py OVERRIDES`, as `train` runs train.py (without loader workers unless asked for)."""
     workers = [] if any(o.startswith("num_workers=") for o in overrides) else ["num_workers=0"]
-    return train(tmp_path, *workers, *overrides, script="predict.py", **kwargs)
+    proc = train(tmp_path, *workers, *overrides, script="predict.py", **kwargs)
+    proc.cwd = tmp_path  # where the paths it prints start
+    return proc
 
 
 def one_process(overrides: list[str]) -> bool:
@@ -359,7 +361,7 @@ def predictions(proc) -> list[dict]:
     import re
 
     (path,) = re.findall(r"^\d+ predictions in (\S+):$", proc.stdout, re.M)
-    with open(path, newline="") as f:
+    with open(proc.cwd / path, newline="") as f:
         return list(csv.DictReader(f))
 
 

@@ -45,6 +45,7 @@ def test_mlflow_has_a_run_per_job_with_its_metrics_in_the_sqlite_store(case, log
     assert len(runs) == len(jobs)  # 2 jobs: 2 runs; ddp on 2 processes: 1 run
     for run in runs:
         assert {"val/acc", "val/loss", "test/acc", "test/loss"} <= run.data.metrics.keys()
+        assert run.info.status == "FINISHED"
         assert run.data.params["strategy/name"] == ("ddp" if case == "ddp" else "auto")
     finals = sorted(run.data.metrics["test/acc"] for run in runs)
     assert finals == sorted(json.loads((job / "metrics.json").read_text())["test/acc"] for job in jobs)
@@ -85,8 +86,10 @@ def wandb_records(path):
             pending = b""
 
 
-def test_a_resumed_run_continues_its_wandb_run_and_a_failed_run_is_marked_failed(tmp_path):
-    short = ["logger=wandb", "debug=limit", "test=false"]
+def test_a_resumed_run_continues_its_wandb_run_and_a_failed_or_stopped_run_is_marked_so(tmp_path):
+    from mlflow import MlflowClient
+
+    short = ["logger=[csv,mlflow,wandb]", "debug=limit", "test=false"]
     train(tmp_path, *short, "trainer.max_epochs=1")
     train(tmp_path, *short, "trainer.max_epochs=2", "ckpt_path=last")  # a new directory, the same W&B run
     first, resumed = run_dirs(tmp_path)
@@ -99,3 +102,9 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_failed_run_is_marked_failed
     (run,) = (run_dirs(tmp_path / "failed")[0] / "wandb").glob("offline-run-*/run-*.wandb")
     exits = [r.exit.exit_code for r in wandb_records(run) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1]  # finished as failed, not left running
+    stopped = train(tmp_path / "failed", *short, "+callbacks.stop._target_=probes.SigtermAtStep",
+                    "+callbacks.stop.step=3", expect_ok=False)  # fmt: skip
+    assert stopped.returncode == 143
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'failed' / 'logs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("train").experiment_id], order_by=["start_time"])
+    assert [run.info.status for run in runs] == ["FAILED", "KILLED"]

@@ -83,8 +83,8 @@ def export(cfg: DictConfig) -> dict:
         raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
                         f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
     c, h, w = shape
-    print(f"exported {shown(out)}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked on a"
-          f" batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
+    print(f"exported {shown(out)}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked"
+          f" on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
     return {}
 
 

@@ -69,6 +69,15 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
     return metrics.get(cfg.get("optimized_metric"))
 
 
+def usage(conf: Path) -> str:
+    """`train.py --help`: examples, every config group's options (read off conf/), where the whole config is."""
+    help_cfg = OmegaConf.load(conf / "hydra" / "default.yaml").help
+    groups = sorted(d for d in conf.iterdir() if d.is_dir() and d.name != "hydra")
+    options = [f"{d.name}: {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}" for d in groups]
+    config = "the whole config, resolved: python train.py --cfg job --resolve (Hydra's flags: --hydra-help)"
+    return "\n".join([help_cfg.header, "== Config groups (group=option) ==", *options, "", config, help_cfg.footer])
+
+
 def console(cfg: DictConfig, launcher: str | None) -> None:
     """verbose=true: every logger's lines on the console. A rank torchrun or srun started other than rank 0: its
     warnings and errors only (rank 0 alone speaks)."""

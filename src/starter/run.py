@@ -41,7 +41,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         use_channels_last(model, weights=traits.channels_last_weights)
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
     callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
-    trainer = build_trainer(cfg, layout, [*callbacks, inference], [build(lg) for lg in cfg.logger.values()])
+    loggers = [lg for lg in map(build, cfg.logger.values()) if lg is not None]  # some only on rank 0
+    trainer = build_trainer(cfg, layout, [*callbacks, inference], loggers)
     log_config(trainer, cfg)
     try:
         metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record)

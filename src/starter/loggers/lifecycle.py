@@ -3,6 +3,8 @@ logger's run ended when the job ends."""
 
 from omegaconf import DictConfig, OmegaConf
 
+from starter.errors import PREEMPTED_EXIT_CODE
+
 
 def log_config(trainer, cfg: DictConfig) -> None:
     """The run's config as the loggers' parameters (MLflow params, W&B config, TensorBoard hparams), from rank 0;
@@ -16,11 +18,14 @@ def log_config(trainer, cfg: DictConfig) -> None:
 
 
 def end_logger_runs(trainer, exit_code: int = 0) -> None:
-    """Lightning leaves a W&B run open until the process exits; the next job of a multirun (same process) would
-    log into it. Ended here, after fit and test or when they failed (`exit_code` not 0: the run is marked failed),
-    so each job is a run of its own."""
+    """Every logger's run ends with how the job ended: finished, failed, or (stopped by a signal: 143) killed; and
+    W&B's run, which Lightning leaves open until the process exits (the next job of a multirun in the same process
+    would log into it), ends here, so each job is a run of its own."""
     from lightning.pytorch.loggers import WandbLogger  # importable without wandb installed
 
+    status = {0: "success", PREEMPTED_EXIT_CODE: "KILLED"}.get(exit_code, "failed")
+    for logger in trainer.loggers:
+        logger.finalize(status)
     if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
         import wandb
 
