@@ -42,6 +42,7 @@ LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, th
     "benchmarks/hand_loop.py",
     "benchmarks/step_profile.py",
     "benchmarks/folder_epoch.py",
+    "benchmarks/predict_speed.py",
     "benchmarks/results",  # the template's measurements: `make bench` writes the project's own
     "benchmarks/RESULTS.md",
 ]

@@ -11,7 +11,7 @@ import sys
 from benchmarks.common import RESULTS, ROOT
 
 BENCHMARKS = ["parity", "parity_ddp", "host_syncs", "startup", "model_parallel_memory"]
-BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix"]  # full examples
+BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix", "predict_speed"]  # full examples
 RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
 
 
@@ -105,6 +105,8 @@ def main() -> None:
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
         "## Data paths", (RESULTS / "data.md").read_text(),  # full examples
         "## Start-up", (RESULTS / "startup.md").read_text(),
+        "## Predict: images/s against the test loop of the same checkpoint (one process, CPU)",  # full examples
+        (RESULTS / "predict_speed.md").read_text(),  # full examples
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples
         "## Which mode when: state per rank (ViT, CPU)", (RESULTS / "model_parallel_memory.md").read_text(),
         "![strategy x precision](results/strategy_matrix.png)",  # full examples
