@@ -67,3 +67,19 @@ def test_the_checks_before_launch_import_neither_torch_nor_lightning():
     probe = "import sys, starter.preflight, starter.main; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_run_of_one_process_imports_nothing_of_the_several_process_machinery(tmp_path):
+    # train.py -> main -> run with the data, model, strategy and callbacks it uses: no launcher, worker, watchdog,
+    # stall judge or fork server (those load only where several processes start)
+    import json
+
+    from conftest import PROBES, train
+
+    out = tmp_path / "modules.json"
+    train(tmp_path, "debug=fdr", "+callbacks.modules._target_=probes.RecordModules", f"+callbacks.modules.output={out}",
+          env=PROBES)  # fmt: skip
+    imported = json.loads(out.read_text())
+    assert "starter.run" in imported and "starter.models.classifier" in imported
+    machinery = [m for m in imported if m.split(".")[-1] in ("launcher", "worker", "watchdog", "stall", "fork_server")]
+    assert machinery == []
