@@ -167,3 +167,18 @@ def test_bad_inputs_are_one_line_or_skipped_and_counted(default_run, digit_files
     torch.save({"net.0.weight": torch.zeros(1)}, tmp_path / "foreign.pt")  # weights without their inference record
     proc = predict(tmp_path / "d", f"ckpt_path={tmp_path / 'foreign.pt'}", f"inputs={mixed}", expect_ok=False)
     assert proc.returncode == 2 and "holds no inference record" in proc.stderr
+
+
+def test_a_timm_model_by_name_starts_from_a_local_weights_file(tmp_path):
+    timm = pytest.importorskip("timm", reason="the timm extra: pip install -e '.[timm]'")
+    published = timm.create_model("mobilenetv3_small_100").state_dict()  # 1000 classes, as a downloaded file
+    torch.save(published, tmp_path / "weights.pth")
+    train(tmp_path, *ZERO_EPOCHS, "model=timm", "model.net.pretrained=true",
+          f"+model.net.pretrained_cfg_overlay.file={tmp_path / 'weights.pth'}", "data=synthetic",
+          "data.image_shape=[3,32,32]", "data.num_classes=5", "data.train_size=64")  # fmt: skip
+    started = model_weights(run_dirs(tmp_path)[0])
+    kept = [k for k in published if not k.startswith("classifier.")]  # timm gives 5 classes a new head itself
+    assert (
+        all(torch.equal(published[k], started[f"net.{k}"]) for k in kept)
+        and started["net.classifier.weight"].shape[0] == 5
+    )
