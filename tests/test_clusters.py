@@ -219,15 +219,15 @@ def test_compile_under_ddp_compiles_in_each_process_that_trains(tmp_path):
 
 def test_the_workers_fork_server_imports_torch_and_lightning_without_touching_cuda():
     # On a GPU host, a CUDA driver initialised before a fork fails in the forked workers: what the fork server
-    # preloads (main.py's WORKER_PRELOAD) must not ask CUDA anything, not even whether it is there.
+    # preloads (main.py's worker_preload) must not ask CUDA anything, not even whether it is there.
     probe = """
 import sys, torch
 asked = []
 for name in ("_cuda_getDeviceCount", "_cuda_init"):
     real = getattr(torch._C, name)
     setattr(torch._C, name, lambda *a, _real=real, _name=name: asked.append(_name) or _real(*a))
-from starter.main import WORKER_PRELOAD
-for module in WORKER_PRELOAD:
+from starter.main import TRAIN, worker_preload
+for module in worker_preload(TRAIN):
     __import__(module)
 print(asked, torch.cuda.is_initialized(), "lightning.pytorch" in sys.modules)
 """

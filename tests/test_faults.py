@@ -361,14 +361,19 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
     return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
 
 
+def node_1_without_the_data(tmp_path: Path, *data: str) -> tuple[list[int], list[float], list[str]]:
+    """Two nodes on localhost training with `data`, which is on node 0's disk (its working directory holds it) and
+    not on node 1's: how each exits (exits())."""
+    (tmp_path / "node1").mkdir()
+    port = free_port()
+    return exits([start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)])
+
+
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
     # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's rank meets it
     # in setup, while node 0's rank waits for it in a collective.
-    (tmp_path / "node1").mkdir()
     data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20"]
-    port = free_port()
-    nodes = [start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)]
-    codes, ended, lines = exits(nodes)
+    codes, ended, lines = node_1_without_the_data(tmp_path, *data)
     assert codes == [2, 2] and max(ended) - min(ended) < 60, (codes, ended)
     # said once on each node: by the rank that met it, and by node 0's launcher, which read it from the run's store
     said = "error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false"
@@ -386,11 +391,8 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
             (tmp_path / "images" / split / label).mkdir(parents=True)
             for i in range(2):
                 Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(tmp_path / "images" / split / label / f"{i}.png")
-    (tmp_path / "node1").mkdir()
     data = ["data=imagenet", "data.root=images", "data.image_shape=[3,8,8]", "data.batch_size=4"]
-    port = free_port()
-    nodes = [start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)]
-    codes, ended, lines = exits(nodes)
+    codes, ended, lines = node_1_without_the_data(tmp_path, *data)
     # not after node 1's ranks' heartbeat timeout (120 s): node 0, serving the store, stays linger_s (11 s) for it
     assert codes == [2, 2] and max(ended) - min(ended) < 30, (codes, ended)
     said = "error: node 1: no directory images/train: data.num_classes is read from its class folders"

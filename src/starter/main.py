@@ -21,14 +21,11 @@ from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
 from starter.launch.environment import launched_by
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Traits, device_type
+from starter.topology import Layout, Traits, device_type, process_rank
 
 log = logging.getLogger(__name__)
 
 TRAIN = "starter.run:run"  # the job each process runs: "module:function", called with the resolved config
-# What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it asking
-# CUDA anything (a CUDA driver initialised before a fork fails in the forked workers).
-WORKER_PRELOAD = ("starter.launch.worker", "starter.run")
 
 
 def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
@@ -84,7 +81,7 @@ def console(cfg: DictConfig, launcher: str | None) -> None:
     for handler in logging.getLogger().handlers:
         if cfg.get("verbose") and isinstance(handler, logging.StreamHandler):
             handler.filters.clear()
-        if launcher in ("torchrun", "slurm") and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) > 0:
+        if launcher in ("torchrun", "slurm") and process_rank() > 0:
             handler.setLevel(max(handler.level, logging.WARNING))
 
 
@@ -94,6 +91,12 @@ def what_runs(cfg: DictConfig, layout: Layout) -> str:
     picked = [f"{group}={choices[group]}" for group in ("data", "model", "strategy") if choices.get(group)]
     processes = f"{layout.world} process{'es' if layout.world > 1 else ''} on {device_type(cfg)}"
     return f"{' '.join([*picked, f'precision={cfg.precision}'])}, {processes} -> {shown(cfg.paths.output_dir)}"
+
+
+def worker_preload(job: str) -> tuple[str, ...]:
+    """What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it
+    asking CUDA anything (a CUDA driver initialised before a fork fails in the forked workers)."""
+    return "starter.launch.worker", job.split(":")[0]
 
 
 def job_function(job: str) -> Callable[[DictConfig], dict]:
@@ -108,8 +111,7 @@ def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict
     from starter.launch.worker import forked
 
     try:
-        preload = (WORKER_PRELOAD[0], job.split(":")[0])
-        launch_workers(forked, job, preload, config_path, layout, Traits.of(cfg.strategy).launcher,
+        launch_workers(forked, job, worker_preload(job), config_path, layout, Traits.of(cfg.strategy).launcher,
                        stop_signals=list(cfg.stop_signals), linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why

@@ -19,10 +19,10 @@ from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled
 from starter.errors import PREEMPTED_EXIT_CODE, UserError
 from starter.launch.environment import external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
-from starter.loggers.report import log_model_summary, write_run_outputs
+from starter.loggers.report import log_model_summary, shown, write_run_outputs
 from starter.strategies.build import build_strategy
 from starter.strategies.precision import precision_plugin
-from starter.topology import Layout, Traits, device_type
+from starter.topology import Layout, Traits, device_type, process_rank
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model = build(cfg.model)
     if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
         load_initial_weights(model, Path(cfg.init_from))
-    if cfg.trainer.get("enable_model_summary") and int(os.environ.get("RANK", 0)) == 0 and "image_shape" in cfg.data:
+    if cfg.trainer.get("enable_model_summary") and process_rank() == 0 and "image_shape" in cfg.data:
         log_model_summary(model, cfg.data.image_shape)
     if cfg.get("channels_last"):
         use_channels_last(model, weights=traits.channels_last_weights)
@@ -75,13 +75,13 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
             best = [c for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
             ckpt_path = best[0].best_model_path if best else None  # none (callbacks=none, fast_dev_run): final weights
             if best and trainer.is_global_zero:
-                log.info("testing %s (epoch %d, %s %.4g)", in_run(ckpt_path, cfg), saved_epoch(Path(ckpt_path)),
-                         best[0].monitor, float(best[0].best_model_score))  # fmt: skip
+                log.info("testing %s (epoch %d, %s %.4g)", shown(ckpt_path, cfg.paths.output_dir),
+                         saved_epoch(Path(ckpt_path)), best[0].monitor, float(best[0].best_model_score))  # fmt: skip
         with refusing_pickled_code(ckpt_path):
             trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
-        tested = in_run(ckpt_path, cfg) if ckpt_path else "the final weights"
+        tested = shown(ckpt_path, cfg.paths.output_dir) if ckpt_path else "the final weights"
         write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor, tested if cfg.test else None)
     return metrics
 
@@ -172,12 +172,6 @@ def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
 
 def _channels_last_input(conv, args):
     return (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
-
-
-def in_run(path, cfg: DictConfig) -> str:
-    """A path as the run's outputs name it: within its run directory (checkpoints/best.ckpt), else as given."""
-    relative = os.path.relpath(path, cfg.paths.output_dir)
-    return str(path) if relative.startswith("..") else relative
 
 
 def saved_epoch(checkpoint: Path) -> int:

@@ -13,6 +13,7 @@ every process of the run). Data parallel is what is left: the processes of one t
 pipeline train on the same batch, so the global batch is shared out over the data-parallel groups only.
 """
 
+import os
 from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, ListConfig
@@ -94,6 +95,12 @@ class Layout:
                             f" that divides devices={per_node} (strategy=fsdp strategy.tensor_parallel_size={per_node}:"
                             " tensor parallel in each node, fsdp across)")  # fmt: skip
         return cls(layout.nodes, per_node, tp, pp)
+
+
+def process_rank() -> int:
+    """This process's global rank as whoever started it says (our launcher, torchrun: RANK; srun: SLURM_PROCID),
+    before Lightning knows it; 0 for a run of one process."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def device_type(cfg: DictConfig) -> str:

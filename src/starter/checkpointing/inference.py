@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from starter.checkpointing.resume import refusing_pickled_code
+from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.errors import UserError
 
 
@@ -56,8 +56,7 @@ def load_for_inference(path: Path) -> tuple[L.LightningModule, dict]:
         weights = {"state_dict": model.state_dict()}
         load(weights, checkpoint_id=path)
         saved = weights
-    missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
-    if missing or unexpected:
-        raise UserError(f"ckpt_path={path}: its weights do not fit the model it names (missing {missing[:3]},"
-                        f" unexpected {unexpected[:3]})")  # fmt: skip
+    if mismatch := weights_mismatch(model.state_dict(), saved["state_dict"]):
+        raise UserError(f"ckpt_path={path}: its weights do not fit the model it names ({mismatch})")
+    model.load_state_dict(saved["state_dict"])
     return model.eval(), record

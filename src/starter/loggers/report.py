@@ -28,9 +28,9 @@ def format_table(metrics: dict[str, float], tested: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def shown(path) -> str:
-    """A path as a user reads it: relative to the working directory where it is inside it."""
-    relative = os.path.relpath(path)
+def shown(path, within=None) -> str:
+    """A path as a user reads it: relative to `within` (the working directory) where it is inside it."""
+    relative = os.path.relpath(path, within)
     return str(path) if relative.startswith("..") else relative
 
 
