@@ -15,8 +15,7 @@ from starter.models.logging_step import is_logging_step
 
 def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar | None:
     """The display for `trainer.enable_progress_bar` (conf/callbacks/base/every_run.yaml): a bar on a terminal, else
-    lines;
-    None when disabled (Lightning refuses a progress bar callback then)."""
+    lines; None when disabled (Lightning refuses a progress bar callback then)."""
     if not enabled:
         return None
     return TimedBar(refresh_s) if sys.stdout.isatty() else EpochLines()
