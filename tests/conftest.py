@@ -155,6 +155,13 @@ CLIPPED_ON_TWO = ["ddp", "ddp_spawn", "fsdp", "tp", "pp"]
 OVERFLOW_ON_TWO = ["fsdp", "tp", "pp"]
 
 
+# The default MLP, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64 on CPU in fp32, with SGD: what
+# data-parallel modes and several nodes reproduce up to float summation order (SGD: see SMALL_VIT_20_STEPS; measured
+# between ddp on 2 processes and one, 1.8e-5 with AdamW, 1.5e-8 with SGD).
+MLP_20_STEPS = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=4", "model.optimizer._target_=torch.optim.SGD",
+                "model.optimizer.lr=0.05"]  # fmt: skip
+
+
 # The small ViT, 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, fp32: what the model-parallel,
 # clipping and fp16 tests compare with one process. SGD: Adam would turn rounding noise into full-size steps for
 # parameters whose gradient is zero up to rounding (an attention key bias: softmax ignores it), which says nothing
@@ -338,6 +345,14 @@ def default_run(tmp_path_factory):
     # stdout is a pipe here
     (run_dir,) = run_dirs(tmp_path)
     return tmp_path, run_dir, proc
+
+
+@pytest.fixture(scope="session")
+def reference_weights(tmp_path_factory) -> dict:
+    """MLP_20_STEPS trained by one process: the weights every data-parallel mode and node layout must reproduce."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    train(tmp_path, *MLP_20_STEPS)
+    return model_weights(run_dirs(tmp_path)[0])
 
 
 @pytest.fixture(scope="session")

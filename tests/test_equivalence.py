@@ -5,50 +5,38 @@ import csv
 import pytest
 import torch
 
-from conftest import PROBES, max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import MLP_20_STEPS, PROBES, max_difference, model_weights, read_metrics, run_dirs, train
 
 pytestmark = pytest.mark.slow
-# 4 epochs x 5 batches = 20 optimizer steps of the global batch 64, on CPU in fp32.
-STEPS = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=4"]
-# Where modes are compared up to float summation order: SGD. Adam turns rounding noise into full-size steps where a
-# gradient is zero up to rounding (conftest.SMALL_VIT_20_STEPS): measured 1.8e-5 with AdamW, 1.5e-8 with SGD,
-# between ddp on 2 processes and one.
-SGD = ["model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.05"]
 
 
 def weights(tmp_path, *overrides):
-    train(tmp_path, *STEPS, *overrides)
+    train(tmp_path, *overrides)
     (run_dir,) = run_dirs(tmp_path)
     return model_weights(run_dir)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process, global batch 64: what every other mode must reproduce."""
-    return weights(tmp_path_factory.mktemp("single"), *SGD)
-
-
-@pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    return weights(tmp_path_factory.mktemp("ddp"), *SGD, "strategy=ddp", "devices=2")
+    return weights(tmp_path_factory.mktemp("ddp"), *MLP_20_STEPS, "strategy=ddp", "devices=2")
 
 
-def test_ddp_on_two_processes_matches_one_process(reference, ddp):
+def test_ddp_on_two_processes_matches_one_process(reference_weights, ddp):
     # Each rank averages the gradient of its 32 samples and all-reduce averages the two: the same mean over 64.
-    assert max_difference(reference, ddp) <= 1e-5
+    assert max_difference(reference_weights, ddp) <= 1e-5
 
 
-def test_gradient_accumulation_of_two_half_batches_matches_the_full_batch(reference, tmp_path):
+def test_gradient_accumulation_of_two_half_batches_matches_the_full_batch(reference_weights, tmp_path):
     # Two micro-batches of 32 are the two halves of each 64-batch (same sampler order); Lightning divides
     # each half's loss by 2, so the summed gradient is the full batch's mean gradient.
-    accumulated = weights(tmp_path, *SGD, "data.batch_size=32", "trainer.accumulate_grad_batches=2",
+    accumulated = weights(tmp_path, *MLP_20_STEPS, "data.batch_size=32", "trainer.accumulate_grad_batches=2",
                           "trainer.limit_train_batches=10")  # fmt: skip
-    assert max_difference(reference, accumulated) <= 1e-5
+    assert max_difference(reference_weights, accumulated) <= 1e-5
 
 
-def test_dp_on_one_device_is_identical_to_single_device(reference, tmp_path):
-    dp = weights(tmp_path, *SGD, "strategy=dp")
-    assert all(torch.equal(reference[k], dp[k]) for k in reference)
+def test_dp_on_one_device_is_identical_to_single_device(reference_weights, tmp_path):
+    dp = weights(tmp_path, *MLP_20_STEPS, "strategy=dp")
+    assert all(torch.equal(reference_weights[k], dp[k]) for k in reference_weights)
 
 
 @pytest.fixture(scope="module")

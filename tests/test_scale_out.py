@@ -11,9 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import (
+    MLP_20_STEPS,
     QUIET,
     ROOT,
     free_port,
+    max_difference,
     model_weights,
     read_metrics,
     run_dirs,
@@ -78,10 +80,12 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == ["error: rank 1 (node 0) has not answered for 6 s (killed, stopped, or its node lost); every"
                      " process of the run stops"]  # fmt: skip
-    assert re.search(r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 124", err)  # torchrun's summary: the watchdog's exit
+    # torchrun's summary names the watchdog's work: rank 1 killed, or rank 0's exit 124, whichever its agent saw first
+    killed, left = r"rank +: 1 \(local_rank: 1\)\n +exitcode +: -9 ", r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 124"
+    assert re.search(f"{killed}|{left}", err), err[-3000:]
 
 
-def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
+def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_path):
     port = free_port()
     nodes = [
         subprocess.Popen(
@@ -94,7 +98,7 @@ def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
                 f"--master_port={port}",
                 str(ROOT / "train.py"),
                 "strategy=ddp",
-                "accelerator=cpu",
+                *MLP_20_STEPS,
                 f"paths.log_dir={tmp_path / 'logs'}",
                 *QUIET,
             ],
@@ -109,9 +113,8 @@ def test_two_single_process_nodes_train_like_one_process(default_run, tmp_path):
         _, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
     (run_dir,) = run_dirs(tmp_path)  # one directory: the nodes share rank 0's run name
-    assert "num_nodes: 2" in (run_dir / "config.yaml").read_text()
-    two_nodes, single = read_metrics(run_dir), read_metrics(default_run[1])
-    assert abs(two_nodes["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9  # float summation order only
+    assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
+    assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # float summation order only
 
 
 def test_optuna_sweep_writes_the_best_value_and_parameters(tmp_path):
