@@ -16,16 +16,6 @@ def weights(tmp_path, *overrides):
     return model_weights(run_dir)
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return weights(tmp_path_factory.mktemp("ddp"), *MLP_20_STEPS, "strategy=ddp", "devices=2")
-
-
-def test_ddp_on_two_processes_matches_one_process(reference_weights, ddp):
-    # Each rank averages the gradient of its 32 samples and all-reduce averages the two: the same mean over 64.
-    assert max_difference(reference_weights, ddp) <= 1e-5
-
-
 def test_gradient_accumulation_of_two_half_batches_matches_the_full_batch(reference_weights, tmp_path):
     # Two micro-batches of 32 are the two halves of each 64-batch (same sampler order); Lightning divides
     # each half's loss by 2, so the summed gradient is the full batch's mean gradient.
