@@ -341,18 +341,23 @@ def mnist_dir(tmp_path: Path) -> Path:
 def default_run(tmp_path_factory):
     """The default single-process run (digits + MLP, 20 epochs), shared by the tests that inspect it."""
     tmp_path = tmp_path_factory.mktemp("default")
-    proc = train(tmp_path, "trainer.enable_progress_bar=true", "trainer.enable_model_summary=true")  # as users run it;
-    # stdout is a pipe here
+    # as users run it, with the bar and the model summary; stdout is a pipe here
+    proc = train(tmp_path, "trainer.enable_progress_bar=true", "trainer.enable_model_summary=true")
     (run_dir,) = run_dirs(tmp_path)
     return tmp_path, run_dir, proc
+
+
+def trained_weights(tmp_path: Path, *overrides: str) -> dict:
+    """The final weights (model.pt) of `python train.py OVERRIDES`, its one run directory under `tmp_path`."""
+    train(tmp_path, *overrides)
+    (run_dir,) = run_dirs(tmp_path)
+    return model_weights(run_dir)
 
 
 @pytest.fixture(scope="session")
 def reference_weights(tmp_path_factory) -> dict:
     """MLP_20_STEPS trained by one process: the weights every data-parallel mode and node layout must reproduce."""
-    tmp_path = tmp_path_factory.mktemp("reference")
-    train(tmp_path, *MLP_20_STEPS)
-    return model_weights(run_dirs(tmp_path)[0])
+    return trained_weights(tmp_path_factory.mktemp("reference"), *MLP_20_STEPS)
 
 
 @pytest.fixture(scope="session")

@@ -5,27 +5,21 @@ import csv
 import pytest
 import torch
 
-from conftest import MLP_20_STEPS, PROBES, max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import MLP_20_STEPS, PROBES, max_difference, model_weights, read_metrics, run_dirs, train, trained_weights
 
 pytestmark = pytest.mark.slow
-
-
-def weights(tmp_path, *overrides):
-    train(tmp_path, *overrides)
-    (run_dir,) = run_dirs(tmp_path)
-    return model_weights(run_dir)
 
 
 def test_gradient_accumulation_of_two_half_batches_matches_the_full_batch(reference_weights, tmp_path):
     # Two micro-batches of 32 are the two halves of each 64-batch (same sampler order); Lightning divides
     # each half's loss by 2, so the summed gradient is the full batch's mean gradient.
-    accumulated = weights(tmp_path, *MLP_20_STEPS, "data.batch_size=32", "trainer.accumulate_grad_batches=2",
+    accumulated = trained_weights(tmp_path, *MLP_20_STEPS, "data.batch_size=32", "trainer.accumulate_grad_batches=2",
                           "trainer.limit_train_batches=10")  # fmt: skip
     assert max_difference(reference_weights, accumulated) <= 1e-5
 
 
 def test_dp_on_one_device_is_identical_to_single_device(reference_weights, tmp_path):
-    dp = weights(tmp_path, *MLP_20_STEPS, "strategy=dp")
+    dp = trained_weights(tmp_path, *MLP_20_STEPS, "strategy=dp")
     assert all(torch.equal(reference_weights[k], dp[k]) for k in reference_weights)
 
 
@@ -70,7 +64,7 @@ def ranks(strategy: str) -> list[str]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted runs, one process and ddp on 2."""
-    return {s: weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
+    return {s: trained_weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
 
 
 @pytest.mark.parametrize(  # each stop signal: preemption, sbatch --signal, a time-out warning
@@ -97,7 +91,7 @@ def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_i
     # T_max follows trainer.max_epochs: a 1-epoch cosine schedule ends at lr 0, and kept as saved, a second
     # epoch would not move the weights at all.
     common = ["accelerator=cpu", "debug=limit", "test=false"]
-    first = weights(tmp_path / "first", *common, "trainer.max_epochs=1")
+    first = trained_weights(tmp_path / "first", *common, "trainer.max_epochs=1")
     last = run_dirs(tmp_path / "first")[0] / "checkpoints" / "last.ckpt"
     outputs = {}
     for mode in ("replan", "saved"):

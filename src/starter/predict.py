@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from starter.errors import UserError
-from starter.loggers.report import shown as shown_path
+from starter.loggers.report import shown
 from starter.preflight import settle
 from starter.topology import Layout, Traits
 
@@ -118,4 +118,4 @@ def write_predictions(path: Path, rows: list, paths: list[str], classes: list[st
         log.warning("%d of %d inputs unreadable and skipped (skip_unreadable=true): the warnings above name them",
                     skipped, len(paths))  # fmt: skip
     first = path.read_text().splitlines()[: SHOWN + 1]
-    print(f"{len(rows)} predictions in {shown_path(path)}:", *first, sep="\n", file=sys.stdout, flush=True)
+    print(f"{len(rows)} predictions in {shown(path)}:", *first, sep="\n", file=sys.stdout, flush=True)
