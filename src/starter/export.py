@@ -1,8 +1,6 @@
 """`python export.py ckpt_path=... format=onnx|torch_export`: a trained model as one file that runs without this
-starter (onnxruntime, or torch alone), taking images as they are decoded: uint8, N x C x H x W, any batch size N, the
-run's normalisation inside the graph. The file is checked before it is called done: on a batch of another size than
-the one it was traced with, its logits and the model's own differ by at most `tolerance`; else it is not kept.
-"""
+starter, taking decoded images (uint8, N x C x H x W, any N) with the normalisation inside. Kept only if its logits on a
+batch of another size differ from the model's by at most `tolerance`."""
 
 import importlib.util
 from pathlib import Path

@@ -1,9 +1,5 @@
 """What `train.py` (and `predict.py`, `export.py`) runs for each Hydra job: check the config, then run the job here or
-in one worker per device.
-
-A training run of one process goes main -> run. The machinery of several processes (the launcher, the watchdog,
-the fork server) is imported only where several processes start.
-"""
+in one worker per device. The machinery of several processes is imported only where several processes start."""
 
 import importlib
 import json

@@ -1,10 +1,8 @@
 """`python predict.py ckpt_path=... inputs=...`: a trained model's answers for image files, in predictions.csv.
 
-The weights carry what inference needs (checkpointing/inference.py), so this needs neither the training data nor
-its config: a checkpoint of any strategy (a sharded directory included), a model.pt, a run directory (the
-checkpoint its test evaluated: best.ckpt, else model.pt) or `last` (the newest run's). One process, or one per
-device with `strategy=ddp` for large folders: each file is predicted once, by one process, and rank 0 writes the
-rows in the inputs' order. `prepare` runs before launch (no torch); `predict` in every process.
+The weights carry what inference needs, so neither the training data nor its config is needed: a checkpoint of any
+strategy, a model.pt, a run directory (what its test evaluated) or `last`. One process, or one per device with
+`strategy=ddp`: each file predicted once, rows in the inputs' order.
 """
 
 import csv

@@ -1,8 +1,6 @@
-"""Every decision made before anything heavy is imported or any process started: `prepare(cfg)` settles the
-composed config in place (accelerator, devices, class count, checkpoint path), computes the process layout, and
-checks what the run asks for against what the strategy declares it can do (its traits). Anything a user can get
-wrong fails here, in one line. torch is imported for one decision only: how many GPUs this machine has.
-"""
+"""Every decision made before anything heavy is imported or any process started: `prepare(cfg)` settles the config in
+place, computes the layout, and checks the run against what the strategy declares (its traits). Anything a user can get
+wrong fails here, in one line."""
 
 import logging
 from pathlib import Path
@@ -67,9 +65,8 @@ def settle(cfg: DictConfig, global_batch: int) -> Layout:
 
 
 def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
-    """Decide `accelerator` (cpu or gpu; auto: gpu where there is one) and `devices=auto|-1|[i, ...]` here, once, so
-    every worker gets plain values and a device that does not exist is one line here rather than an exception in
-    each worker."""
+    """Settle `accelerator` (cpu or gpu; auto: gpu where there is one) and `devices=auto|-1|[i, ...]` once, so
+    workers get plain values and a device that does not exist is one line here."""
     if cfg.accelerator not in ACCELERATORS:
         raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
     gpus = cuda_device_count() if cfg.accelerator != "cpu" else 0

@@ -121,9 +121,8 @@ KNOWN_NOISE = (
 
 
 def _log_through_root() -> None:
-    """Lightning's loggers bring console handlers of their own (all of them where Lightning was imported before
-    logging was set up: in the workers' fork server). Where the root has handlers (Hydra's console and train.log,
-    or the worker's), only the root's print, so each line is printed once and also logged to file."""
+    """Lightning's loggers bring console handlers of their own: where the root has handlers (Hydra's, the worker's),
+    only the root's print, so each line is printed once and also logged to file."""
     if logging.getLogger().hasHandlers():
         for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).handlers.clear()
@@ -150,9 +149,8 @@ def build(node, **kwargs):
 
 
 def cluster_environment(layout: Layout) -> list:
-    """Where this process's rank comes from. Lightning reads torchrun's or SLURM's variables when they started
-    every rank; otherwise the ranks are ours (our launcher's workers, ddp_spawn, one process), also inside a SLURM
-    job of fewer tasks, whose SLURM_PROCID would make every worker rank 0 of a world of 1."""
+    """Where this process's rank comes from: torchrun's or SLURM's variables when they started every rank, else ours
+    (also inside a SLURM job of fewer tasks, whose SLURM_PROCID would make every worker rank 0)."""
     if external_launcher(layout.world):
         return []
     from lightning.fabric.plugins.environments import LightningEnvironment
@@ -161,8 +159,7 @@ def cluster_environment(layout: Layout) -> list:
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
-    """NHWC activations: every conv layer gets its input as channels_last (a no-op when it already is), and
-    the conv weights too where the strategy allows it (FSDP2 shards only contiguous parameters)."""
+    """NHWC: every conv layer's input, and its weights where the strategy allows (FSDP2 shards contiguous ones)."""
     if weights:
         model.to(memory_format=torch.channels_last)
     for module in model.modules():

@@ -1,16 +1,12 @@
 """What a run's strategy can do and how its processes are laid out, decided once, before anything heavy is imported.
 
-`Traits`: what a strategy can do, declared in its config (`traits:` in conf/strategy/<name>.yaml) and read by the
-checks before launch (preflight.py), the launch and the run: a new strategy is its class and its YAML, and no other
-file names it. A capability is True (supported), or False or a string saying why not (refused, with that reason,
-in one line).
+`Traits`: what a strategy can do, declared in its config (`traits:` in conf/strategy/<name>.yaml), so no other file
+names a strategy. A capability is True, or False or a string saying why not (refused in one line).
 
-`Layout`: how many processes, on how many nodes, and how they share the work (data, tensor and pipeline parallel
-sizes). Computed once, from the settled config and the strategy's traits, and handed to whatever needs a size (the
-checks, the launcher, the strategy's device mesh); nothing else does this arithmetic (torchtitan's ParallelDims).
-The sizes come from the strategy's config: `tensor_parallel_size` and `pipeline_parallel_size` (absent: 1; null:
-every process of the run). Data parallel is what is left: the processes of one tensor-parallel group or one
-pipeline train on the same batch, so the global batch is shared out over the data-parallel groups only.
+`Layout`: how many processes, on how many nodes, and their data, tensor and pipeline parallel sizes (torchtitan's
+ParallelDims), computed once and handed to whatever needs a size. `tensor_parallel_size` and `pipeline_parallel_size`
+come from the strategy's config (absent: 1; null: every process); data parallel is what is left, and the global batch is
+shared over it only.
 """
 
 import os
@@ -98,8 +94,7 @@ class Layout:
 
 
 def process_rank() -> int:
-    """This process's global rank as whoever started it says (our launcher, torchrun: RANK; srun: SLURM_PROCID),
-    before Lightning knows it; 0 for a run of one process."""
+    """This process's global rank before Lightning knows it (RANK; srun: SLURM_PROCID); 0 for one process."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 

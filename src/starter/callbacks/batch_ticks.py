@@ -1,5 +1,4 @@
-"""How far this process's main thread has got, for the watchdog's thread (launch/watchdog.py) to tell a run that
-waits forever (a rank deadlocked in its data loader or its own code, its peers in a collective) from a slow one:
+"""How far this process's main thread has got, for the watchdog to tell a run that waits forever from a slow one:
 integer adds on the host, nothing read from the device."""
 
 import lightning as L

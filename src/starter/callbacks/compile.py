@@ -1,9 +1,6 @@
-"""`compile=true`: torch.compile the LightningModule's forward in the process that trains.
-
-Applied when Lightning sets the run up, which happens in every rank: after ddp_spawn has started its
-processes (a compiled module cannot be pickled to them) and before a strategy wraps or shards the module.
-In place (`nn.Module.compile`), so parameter names, state dicts and checkpoints stay those of the plain module.
-"""
+"""`compile=true`: torch.compile the LightningModule's forward, in place (`nn.Module.compile`: parameter names and
+checkpoints stay the plain module's), in every rank when Lightning sets the run up: after ddp_spawn started its
+processes (a compiled module cannot be pickled) and before a strategy wraps or shards the module."""
 
 import lightning as L
 

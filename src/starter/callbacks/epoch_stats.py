@@ -1,9 +1,6 @@
-"""Per epoch, what a training log is read for: images/s and time of the epoch's training steps, the learning
-rate it started with, and the best `monitor` so far (`val/acc_best`; also in metrics.json and the final table).
-
-Clocks and counts are read on the host at batch ends (no device sync, no collective); the figures are logged
-once per epoch, as `train/images_per_s`, `train/epoch_time`, `lr` and `<monitor>_best`.
-"""
+"""Per epoch: images/s and time of the training steps, the learning rate, and the best `monitor` so far (`val/acc_best`,
+also in metrics.json), logged as `train/images_per_s`, `train/epoch_time`, `lr`, `<monitor>_best`. Clocks and counts are
+read on the host at batch ends: no device sync, no collective."""
 
 import time
 

@@ -1,10 +1,8 @@
-"""A callback that stops training at the first NaN or infinite loss, naming the step, without a host sync per step.
+"""Stops training at the first NaN or infinite loss, naming the step, without a host sync per step.
 
-Each step only records, on the device, whether its loss is finite and which step was the first that was not
-(a few tiny kernels, no `.item()`: reading a GPU value makes the CPU wait for the GPU). The record is read
-where the run synchronises anyway: after logging steps, before any checkpoint is written (so no checkpoint
-holds weights a bad loss reached) and at the end of training (before model.pt is exported). The message names
-the first bad step; training stops at most `trainer.log_every_n_steps` steps after it.
+Each step only records on the device whether its loss is finite and the first step that was not. The record is read
+where the run synchronises anyway: after logging steps, before any checkpoint is written (none holds weights a bad loss
+reached) and at the end of training. Training stops at most `trainer.log_every_n_steps` steps after the bad one.
 """
 
 import lightning as L

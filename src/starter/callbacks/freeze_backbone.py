@@ -1,11 +1,10 @@
-"""`callbacks.freeze_backbone.epochs=N`: fine-tuning trains only the net's head for the first N epochs, then all of it.
+"""`callbacks.freeze_backbone.epochs=N`: fine-tuning trains only the net's head for the first N epochs, then all of
+it.
 
-Lightning's BackboneFinetuning takes the backbone out of the optimizer and adds it back later, which no strategy
-that wraps or shards the module at setup follows: DDP registers only the parameters that required gradients then
-(the backbone's gradients would never be averaged once unfrozen: replicas drift apart), FSDP and tensor parallel
-hold the parameters as shards. Here every parameter stays where the strategy put it and in the optimizer: the
-backbone's gradients are dropped before each optimizer step of the frozen epochs, so its weights and its optimizer
-state do not move (no weight decay either), in every mode. The backward still computes them (no time saved)."""
+Lightning's BackboneFinetuning takes the backbone out of the optimizer, which no strategy that wraps or shards at setup
+follows (DDP would never average the unfrozen gradients; FSDP and tp hold shards). Here every parameter stays in the
+optimizer and the backbone's gradients are dropped before each step of the frozen epochs: its weights and optimizer
+state do not move, in every mode (the backward still computes them)."""
 
 import lightning as L
 

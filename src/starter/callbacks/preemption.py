@@ -1,17 +1,11 @@
-"""A stop signal ends training cleanly, on every rank at the same step, with last.ckpt saved: SIGTERM (a scheduler's
-preemption), SIGUSR1 (`sbatch --signal=SIGUSR1@90`: the time limit is near) and SIGUSR2 (a time-out warning), the
-`stop_signals` of the config.
+"""A stop signal (`stop_signals`: SIGTERM, a scheduler's preemption; SIGUSR1/2, a time limit near) ends training on
+every rank at the same step, with checkpoints/last.ckpt saved where Lightning saves mid-epoch (a resume continues with
+the next batch); the run exits 143 (errors.PREEMPTED_EXIT_CODE).
 
-The signal handler only records that a stop was asked. After a training step, all ranks agree through one
-collective (`reduce_boolean_decision`: did any rank get a stop signal?); if so, checkpoints/last.ckpt is saved there
-(the point where Lightning itself saves mid-epoch, so a resume continues with the next batch) and the run
-stops at the next hook by raising Lightning's SIGTERMException, after the step has been logged. run.py then
-exits with errors.PREEMPTED_EXIT_CODE (143). One process checks after every step (reading a flag costs
-nothing); several processes agree only after logging steps, so a step that is not a logging step makes no
-collective: a stop then waits at most `trainer.log_every_n_steps` steps. Only between optimizer steps:
-gradients half accumulated are in no checkpoint.
-The handler replaces Lightning 2.6's, which runs a collective inside the signal handler itself and can
-deadlock when the ranks are signalled at different points of a step.
+The handler only records the request; after a step the ranks agree through one collective whether any got one. One
+process checks every step; several only at logging steps, so other steps make no collective (a stop waits at most
+`trainer.log_every_n_steps` steps), and only between optimizer steps. It replaces Lightning's handler, which runs a
+collective inside the signal handler and can deadlock when ranks are signalled at different points of a step.
 """
 
 import signal

@@ -1,8 +1,6 @@
-"""The progress display. On a terminal: Lightning's tqdm bar, redrawn at most every `refresh_s` seconds instead of
-at every step. Elsewhere (a SLURM log, a pipe, a file), where every redraw of a bar stays in the log as one more
-frame: one line per epoch. Neither reads a value from the device at a step that is not a logging step: the
-training values shown are those of the last logging step (`train/...` metrics the module logged there).
-"""
+"""The progress display: on a terminal Lightning's tqdm bar, redrawn at most every `refresh_s` seconds; elsewhere (a
+SLURM log, a pipe) one line per epoch. Neither reads the device outside logging steps: the training values shown are the
+last logging step's."""
 
 import sys
 import time

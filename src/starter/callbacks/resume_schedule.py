@@ -1,11 +1,7 @@
-"""What the learning-rate schedule does when a run is resumed with a schedule planned differently (for example
-`ckpt_path=last trainer.max_epochs=40` after 20 epochs of cosine decay, `T_max` following `max_epochs`).
-
-The checkpoint holds the schedule it was trained with. `replan` (the default): the configured schedule takes
-over at the resumed step, as if the run had been planned that way from the start, so a longer run decays
-over its new length. `saved`: the checkpoint's schedule goes on (past its planned end). Either way one line
-says which, and how to get the other. A resume with the same plan (an interrupted run) changes nothing.
-"""
+"""What the learning-rate schedule does when a run resumes with a schedule planned differently (`ckpt_path=last
+trainer.max_epochs=40` after 20 epochs of cosine decay). `replan` (default): the configured schedule takes over at the
+resumed step, as if planned so from the start. `saved`: the checkpoint's goes on. One line says which, and how to get
+the other; a resume with the same plan changes nothing."""
 
 import logging
 import warnings

@@ -1,10 +1,6 @@
-"""A callback that records, per rank, the bytes this process holds of parameters, gradients and optimizer state,
-and its peak memory (GPU: the largest allocated; CPU: the resident set, libraries included).
-
-Under fsdp, tp and pp these are the local shards or stages; the figures go to
-<run_dir>/state_bytes/rank<r>.json, measured once, after the second optimizer step (when gradients and optimizer
-state both exist). Enable with `callbacks=state_bytes`.
-"""
+"""`callbacks=state_bytes`: per rank, the bytes held of parameters, gradients and optimizer state (local shards or
+stages under fsdp, tp, pp) and the peak memory (GPU: allocated; CPU: resident set), measured after the second optimizer
+step into <run_dir>/state_bytes/rank<r>.json."""
 
 import json
 from pathlib import Path

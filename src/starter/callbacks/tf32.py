@@ -1,7 +1,6 @@
-"""`tf32`: float32 matmuls and convolutions on TF32 tensor cores (GPUs that have them, Ampere and later), or
-strictly float32. Process-wide settings of torch, so they are applied where Lightning sets each process up:
-ddp_spawn's processes start as fresh interpreters and would otherwise train in strict float32 (seen on an
-H100: a ddp_spawn run at precision=32 reached a different accuracy from every other strategy)."""
+"""`tf32`: float32 matmuls and convolutions on TF32 tensor cores (Ampere and later), or strictly float32. Process-wide
+settings, applied where Lightning sets each process up: ddp_spawn's fresh interpreters would otherwise train in strict
+float32."""
 
 import lightning as L
 import torch

@@ -1,14 +1,11 @@
 """An exponential moving average of the weights (`callbacks.weight_averaging.decay`), torchvision's `--model-ema`.
 
-Lightning's EMAWeightAveraging keeps the average beside the model, swaps it in for validation, saves it as the
-checkpoint's `state_dict` (the raw weights as `current_model_state`) and copies it into the model when training
-ends, so model.pt holds it too. Two changes:
-- Evaluating a checkpoint (the test that follows fit included) uses its averaged weights. Lightning's callback,
-  still holding the average from fit, would load the raw weights into the model there, and the run would test
-  weights that neither best.ckpt nor model.pt holds.
-- The update is one multi-tensor lerp with the update count kept on the host. torch's AveragedModel reads its
-  count from the device twice per update (two host syncs per step) and updates parameter by parameter. As in
-  torchvision's reference, the average restarts from the current weights during the lr warm-up epochs.
+Lightning's EMAWeightAveraging, which validates with the average, saves it as the checkpoint's `state_dict` and copies
+it into the model when training ends (model.pt holds it), with two changes: - Evaluating a checkpoint (the test after
+fit included) uses its averaged weights; Lightning's callback would load the raw ones, and the run would test weights
+that neither best.ckpt nor model.pt holds. - The update is one multi-tensor lerp with the count kept on the host
+(torch's AveragedModel syncs the host twice per step). As in torchvision, the average restarts from the weights during
+the lr warm-up epochs.
 """
 
 import torch

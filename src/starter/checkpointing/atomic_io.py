@@ -1,9 +1,5 @@
-"""Checkpoint files written atomically: a temporary file in the same directory, fsync, then rename.
-
-Lightning's own save stages the bytes in the system temp directory and moves them over; when that is another
-file system (a tmpfs /tmp), the move is a copy, and a kill during it leaves a truncated last.ckpt. A rename
-within one directory is atomic: a reader sees the old checkpoint or the new one, never a part.
-"""
+"""Checkpoint files written atomically: a temporary file in the same directory, fsync, rename. Lightning stages the
+bytes in the system temp directory and moves them: across file systems a copy, which a kill leaves truncated."""
 
 import os
 import tempfile

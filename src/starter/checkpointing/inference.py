@@ -1,8 +1,6 @@
-"""What inference needs, saved with the weights when they are trained: the model's config (resolved), the data's
-normalisation, class names, input shape and evaluation resize and crop. Every checkpoint holds it as `inference`
-(a sharded one in its meta.pt), and checkpoints/model.pt is {"state_dict": the whole model's weights, gathered
-whatever the strategy, "inference": ...}. `load_for_inference` reads either back with nothing but the file.
-"""
+"""What inference needs, saved with the weights: the resolved model config, normalisation, class names, input shape,
+evaluation resize and crop. Every checkpoint holds it as `inference` (a sharded one in meta.pt); model.pt is
+{"state_dict": the whole model's weights, "inference": ...}. `load_for_inference` reads either back."""
 
 from pathlib import Path
 

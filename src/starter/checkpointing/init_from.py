@@ -1,7 +1,6 @@
-"""`init_from=PATH`: a fresh run that starts from trained weights, and only weights (no optimizer, schedule or loop
-state): a checkpoint or model.pt of this starter, or a plain state dict of the net (torchvision's, a file of one's
-own). A head trained for another class count stays as initialised, said in one line; any other mismatch is
-refused in one line."""
+"""`init_from=PATH`: a fresh run from trained weights only (a checkpoint or model.pt of this starter, or a plain state
+dict of the net: torchvision's, one's own). A head trained for another class count stays initialised, said in one line;
+any other mismatch is refused."""
 
 import logging
 from pathlib import Path

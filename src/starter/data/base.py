@@ -1,18 +1,14 @@
 """What every DataModule here shares: the global batch size, and sharding that is the same for any world size.
 
-`batch_size` is the global batch: each of N processes loads batch_size / N. Training draws one seeded
-permutation per epoch (DistributedSampler, also for one process) and rank r takes every N-th index, so the
-union of the ranks' batches at step k is exactly the single-process batch k: changing `devices` does not
-change the optimisation. Evaluation splits the data without padding (UnrepeatedDistributedSampler), so no
-sample is counted twice; torchmetrics then syncs the unequal shards exactly. Lightning still sets the
-sampler's epoch every epoch (the trainer runs with use_distributed_sampler=False so it leaves samplers alone).
-A run stopped mid-epoch resumes at the next batch of the same permutation (data/resumable.py). Loader workers start
-from a fork server that imported the data set's module once (launch/fork_server.py), not as forks of the training
-process: data sets live in modules that import torch, not Lightning (in_memory.py, image_files.py), for a lighter
-server.
+`batch_size` is global: each of N data-parallel processes loads batch_size / N. Training draws one seeded permutation
+per epoch (DistributedSampler, also for one process) and rank r takes every N-th index, so the union of the ranks'
+batches at step k is the single-process batch k: `devices` does not change the optimisation. Evaluation shards without
+padding (UnrepeatedDistributedSampler), so torchmetrics syncs exact totals. A run stopped mid-epoch resumes at the next
+batch of the same permutation (resumable.py). Loader workers come from a fork server that imported the data set's module
+once (launch/fork_server.py).
 
-Images travel as uint8 (a quarter of float32's bytes through the loader's queues and to the GPU) and are
-normalised on the compute device, after the transfer: `(x / value_range - mean) / std`, per channel.
+Images travel as uint8 (a quarter of float32's bytes through the loader and to the GPU) and are normalised on the
+compute device: `(x / value_range - mean) / std`, per channel.
 """
 
 from functools import partial
@@ -30,19 +26,9 @@ from starter.topology import per_process_batch
 
 
 class ShardedDataModule(L.LightningDataModule):
-    def __init__(
-        self,
-        batch_size: int,
-        image_shape: list[int],
-        num_classes: int,
-        seed: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool = True,
-        persistent_workers: bool = False,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        ra_reps: int = 0,
-    ):
+    def __init__(self, batch_size: int, image_shape: list[int], num_classes: int, seed: int = 0, num_workers: int = 0,
+                 pin_memory: bool = True, persistent_workers: bool = False, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0, ra_reps: int = 0):  # fmt: skip
         super().__init__()
         self.batch_size = int(batch_size)
         self.image_shape = tuple(image_shape)
@@ -104,8 +90,7 @@ class ShardedDataModule(L.LightningDataModule):
         return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)  # Lightning's predict keeps it
 
     def _data_parallel_place(self) -> tuple[int, int]:
-        """(data-parallel size, this process's data-parallel rank): the processes of one tensor-parallel group
-        or of one pipeline train on the same batch, so they share a place; without a strategy, (1, 0)."""
+        """(data-parallel size, data-parallel rank): a tensor-parallel group or a pipeline shares one place."""
         shard = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
         return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
@@ -165,8 +150,8 @@ def batch_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
 
 
 class ImagesToPredict(ShardedDataModule):
-    """Image files to predict (predict.py), each as the trained model's evaluation saw its data (the inference record
-    its weights carry: resize, crop, normalisation); each process its unpadded share, in the files' order."""
+    """Image files to predict (predict.py), each prepared as the model's evaluation saw its data (the inference record
+    its weights carry); each process its unpadded share, in the files' order."""
 
     def __init__(self, paths: list[str], inference: dict, batch_size: int, num_workers: int = 0,
                  skip_unreadable: bool = False):  # fmt: skip

@@ -1,6 +1,5 @@
-"""Image files as a data set: each image decoded to a uint8 tensor, an unreadable one named in its error (or left
-out of its batch, and counted). torch, torchvision and PIL only: loader workers unpickle it in a fork server that
-imports this module, not Lightning."""
+"""Image files as a data set: each decoded to a uint8 tensor, an unreadable one named in its error (or skipped and
+counted). torch, torchvision and PIL only: loader workers unpickle it in a fork server without Lightning."""
 
 import logging
 from functools import partial
@@ -17,9 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def load_image(path: str, mode: str = "RGB") -> torch.Tensor:
-    """The image as a uint8 CxHxW tensor. JPEG, PNG, WebP and GIF are decoded by torchvision straight into a
-    tensor (1.4x the images/s of PIL per loader worker with the crop done on the tensor, benchmarks/data_paths.py);
-    other formats by PIL."""
+    """The image as a uint8 CxHxW tensor: JPEG, PNG, WebP and GIF decoded by torchvision (1.4x PIL's images/s,
+    benchmarks/data_paths.py), other formats by PIL."""
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2.functional import pil_to_tensor
 

@@ -1,12 +1,7 @@
-"""An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with the standard ImageNet augmentation.
-ImageNet's own archives are turned into that tree once by data/imagenet_archives.py (the error says so).
-
-Train: RandomResizedCrop, horizontal flip, optionally an auto-augment policy and random erasing (torchvision's
-reference recipe, its flags as keys). Val (also the test split): resize to 256/224 of the crop, centre crop.
-Both give uint8 tensors; normalising with the ImageNet statistics happens on the device, where mixup / cutmix
-also run (data/base.py). An unreadable image stops the run with an error that names the file, or, with
-`data.skip_unreadable=true`, is left out of its batch with a warning that names it, and counted.
-"""
+"""An ImageFolder tree (root/train/<class>/*, root/val/<class>/*) with torchvision's reference ImageNet augmentation:
+RandomResizedCrop, flip, optionally auto-augment and random erasing; val (also the test split) resized to 256/224 of the
+crop and centre-cropped. uint8 out; normalised on the device (data/base.py). ImageNet's archives become such a tree once
+with data/imagenet_archives.py."""
 
 import logging
 from functools import partial
@@ -23,9 +18,8 @@ log = logging.getLogger(__name__)
 
 def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int, val_crop_size: int,
                         auto_augment: str | None = None, random_erase: float = 0.0):  # fmt: skip
-    """uint8 image tensor -> uint8 tensor of the crop, as torchvision's reference recipe builds it; normalised
-    later, on the device (ShardedDataModule.normalise). Random erasing fills with the ImageNet mean colour: what
-    the recipe's zero is after normalisation."""
+    """uint8 image -> uint8 crop, as torchvision's recipe builds it; random erasing fills with the mean colour (the
+    recipe's zero after normalisation, which happens on the device)."""
     from torchvision.transforms import v2
 
     if not train:

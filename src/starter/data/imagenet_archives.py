@@ -1,13 +1,10 @@
-"""ImageNet as downloaded (ILSVRC2012 archives) -> the ImageFolder tree that `data=imagenet` reads, done once:
+"""ImageNet as downloaded (ILSVRC2012 archives) -> the ImageFolder tree `data=imagenet` reads, once:
 
     python -m starter.data.imagenet_archives /data/imagenet
 
-reads the devkit (ILSVRC2012_devkit_t12.tar.gz: the 1,000 classes and the validation labels), extracts
-ILSVRC2012_img_train.tar (one tar per class) into train/<wnid>/ and ILSVRC2012_img_val.tar into val/<wnid>/,
-as torchvision.datasets.ImageNet lays it out; class folders are the synset ids, and synset_names.json maps them
-to their names. A val/ extracted flat (all 50,000 images in one folder) is sorted into class folders the same
-way. torchvision's own preparation checks the archives' MD5 sums and so cannot be tried on small test archives;
-this is the same procedure without that check. The real archives take hours to extract: not inside a run.
+The devkit gives the 1,000 classes and the validation labels; the train archive (a tar per class) goes to train/<wnid>/,
+the val archive (or a flat val/) to val/<wnid>/, as torchvision.datasets.ImageNet lays it out, without its MD5 checks
+(so small test archives work); synset_names.json maps ids to names.
 """
 
 import json

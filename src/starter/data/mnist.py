@@ -1,8 +1,5 @@
-"""MNIST held in memory as uint8 tensors (60k + 10k images of 28x28: 55 MB), normalised on the device.
-
-Files are read by torchvision from <data_dir>/MNIST/raw and downloaded there when `download` is on and the
-network allows. Tensors fetched a batch at a time remove the per-item PIL conversion that dominates most MNIST loaders.
-"""
+"""MNIST in memory as uint8 tensors (55 MB), fetched a batch at a time (no per-item PIL conversion), normalised on the
+device. torchvision reads <data_dir>/MNIST/raw, downloading there when `download` is on and the network allows."""
 
 import struct
 from pathlib import Path

@@ -1,7 +1,6 @@
-"""Repeated augmentation (torchvision's `--ra-sampler --ra-reps N`; Hoffer et al. 2020, used by DeiT): each image
-of an epoch's permutation appears N times in a row, so under ddp its copies land on consecutive ranks and each is
-augmented on its own; each rank keeps the first len(dataset) // world of its share, so an epoch has as many
-steps as without it (the reference also rounds the dataset down to a multiple of 256 first, an ImageNet habit)."""
+"""Repeated augmentation (torchvision's `--ra-sampler --ra-reps N`, DeiT's): each image of an epoch's permutation N
+times in a row, its copies on consecutive ranks, each augmented on its own; each rank keeps len(dataset) // world of its
+share, so an epoch has as many steps as without it."""
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler

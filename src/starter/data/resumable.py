@@ -1,11 +1,6 @@
-"""A training DataLoader that a run stopped mid-epoch resumes exactly where it stopped.
-
-The training order is one seeded permutation per epoch (DistributedSampler), so the loader's whole state is a
-position: (epoch, batches already trained in it). Lightning saves `state_dict()` in every checkpoint and calls
-`load_state_dict()` before it creates the first iterator of a resumed fit; the next epoch's iterator then skips
-the batches already trained (their indices only: nothing is loaded for them). The number trained comes from
-the trainer's progress, not from the loader: DataLoader workers fetch ahead of training.
-"""
+"""A training DataLoader that a run stopped mid-epoch resumes exactly where it stopped: its whole state is (epoch,
+batches trained in it), the order being one seeded permutation per epoch. The count comes from the trainer's progress
+(workers fetch ahead); the resumed iterator skips the trained batches' indices without loading them."""
 
 import itertools
 from collections.abc import Callable

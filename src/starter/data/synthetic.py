@@ -1,10 +1,6 @@
-"""ImageNet-shaped random images and labels, for throughput runs: nothing to download, decode or generate per step.
-
-A pool of random uint8 images is made once from the seed; sample i is pool image i % pool with its own label,
-fetched a batch at a time (one indexing op), so the loader can feed any GPU. With `data.on_device=true` the
-pools are copied to the compute device once and the loader yields only pool indices: a batch is gathered on
-the device, so neither the loader nor the host-to-device copy can be what a throughput run measures.
-"""
+"""ImageNet-shaped random images, for throughput runs: a pool of uint8 images made once from the seed, sample i being
+pool image i % pool with its own label, fetched a batch at a time. `data.on_device=true`: the pool lives on the compute
+device and the loader yields indices only, so neither loader nor copy is what a run measures."""
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage

@@ -1,7 +1,6 @@
-"""What each DataLoader worker runs first: its torch, random and numpy generators seeded from the loader's seed for
-this iterator, the data-parallel place and the worker's id. The processes of one tensor-parallel group or pipeline
-share a place, so they draw the same augmentations; two places or two workers never do. torch and numpy only: a
-loader's fork server imports this module, not Lightning (3 s less of imports per training process)."""
+"""What each DataLoader worker runs first: its torch, random and numpy generators seeded from the loader's seed, the
+data-parallel place and the worker's id (a tensor-parallel group or pipeline draws the same augmentations). No
+Lightning: a loader's fork server imports this module."""
 
 import random
 

@@ -1,6 +1,5 @@
-"""What the environment says about the run before anything starts: the GPUs this machine has, whether torchrun or
-SLURM started the ranks already, and the rendezvous variables several nodes need. Imports torch only to count
-GPUs, and only where a GPU driver exists."""
+"""What the environment says before anything starts: the GPUs this machine has, whether torchrun or SLURM started the
+ranks, the rendezvous variables several nodes need."""
 
 import logging
 import os
@@ -29,17 +28,15 @@ def torchrun_id() -> str | None:
 
 
 def launched_by(world: int, multi_process: bool) -> str | None:
-    """Who starts the ranks of a run of `world` processes: "torchrun" or "slurm" (each rank already runs train.py),
-    "ours" (this job starts one worker per device: launch/launcher.py), or None (this process is the whole run; or
-    another launcher started it, LOCAL_RANK set). `multi_process`: the strategy's trait."""
+    """Who starts the ranks: "torchrun" or "slurm" (each rank runs train.py already), "ours" (launch/launcher.py), or
+    None (this process is the whole run, or another launcher started it: LOCAL_RANK set)."""
     if external := external_launcher(world):
         return external
     return "ours" if multi_process and world > 1 and "LOCAL_RANK" not in os.environ else None
 
 
 def external_launcher(world: int) -> str | None:
-    """Who started every rank of a run of `world` processes already: "torchrun", "slurm" (one task per rank), or
-    None (nobody: one process, or our launcher starts the workers; then SLURM's variables must not decide ranks)."""
+    """Who started every rank already: "torchrun", "slurm" (one task per rank), or None."""
     if torchrun_id() is not None:
         return "torchrun"
     tasks = slurm_tasks()
@@ -78,8 +75,7 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
 
 
 def check_rendezvous(nodes: int) -> None:
-    """Our launcher's processes on `nodes` nodes need the rendezvous address on every node: say so before anything
-    waits on it."""
+    """The rendezvous variables our launcher needs on every node, checked before anything waits on them."""
     if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
         raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
     if nodes == 1:

@@ -1,17 +1,12 @@
 """Where the processes a process starts come from: one fork server per process, never a fork of the process itself.
 
-Python's forkserver is a fresh, single-threaded interpreter that imported `preload` once and forks each new process
-from itself. A fork of the asking process would copy its threads' state at an arbitrary instant (gloo's, the store's,
-the watchdog's, an allocator's background thread: pyarrow's jemalloc runs one wherever pandas is imported), and a lock
-one of them held would be held in the child forever. Our launcher starts its workers here, and every training process
-its data loaders' workers. Preloaded, a server forks as fast as fork does (a loader's 2 workers ready in 0.05 s);
-without, each new process imports torch itself (1.7 s per loader iterator; about 5 s where the dataset's module
-imports Lightning: the stall that kept loaders on fork before).
+A fork would copy the threads' state at an arbitrary instant (gloo's, the store's, the watchdog's, an allocator's), and
+a lock one held would stay held in the child. Python's forkserver is a fresh single-threaded interpreter that imported
+`preload` once: our launcher's workers and the data loaders' workers start from it as fast as a fork (without the
+preload, each imports torch: 1.7 s per loader iterator).
 
-A process's server starts once, with the preload of its first caller. It ignores the scheduler's signals: a scheduler
-signals every process of a job, and a server they ended could no longer report its children's exits. What it starts
-inherits that: our launcher's workers restore the defaults and act on them; loader workers keep ignoring them and end
-when their training process shuts its loaders down (or, with it gone, when their server goes).
+A server starts once, with its first caller's preload, and ignores the scheduler's signals (one ended could not report
+its children's exits). Our launcher's workers restore the defaults; loader workers end with their loaders.
 """
 
 import multiprocessing
@@ -42,10 +37,8 @@ def fork_server(preload: tuple[str, ...]):
 
 @contextmanager
 def _python_path(path: list[str]):
-    """PYTHONPATH for a process started inside the block. A server of Python 3.10 or 3.11 (3.12 before 3.12.8) is
-    given this process's sys.path and does not apply it (CPython gh-117378, whose fix names this workaround): a module
-    found only there (a data set in tests/, or beside a script run from elsewhere) fails its preload in silence, and
-    then every worker imports it, and all it imports, itself (3 s per loader iterator where that was Lightning)."""
+    """PYTHONPATH for a process started inside the block: a server of Python < 3.12.8 is given sys.path and does not
+    apply it (CPython gh-117378), and a module found only there fails its preload in silence."""
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in path if entry)
     try:

@@ -1,23 +1,16 @@
 """Starts one worker process per device for strategies whose traits name a launcher (ddp, ddp_spawn, fsdp, tp, pp).
 
-Lightning's own launcher re-runs `sys.argv` in every child. Under Hydra that re-composes the config, makes a
-second run directory, and inside a multirun re-launches the whole sweep. Here the parent Hydra job only
-launches: each worker runs `starter.launch.worker.main(<run_dir>/config.yaml)` with the torch.distributed
-environment set (the torchrun contract), so all ranks train the same resolved job into the same directory. If one
-worker fails, the others are stopped and the job fails with its exit code; every process also runs a watchdog
-(launch/watchdog.py) that ends the processes of every node when one fails, dies or stops answering.
+Lightning's own launcher re-runs `sys.argv` in every child: under Hydra that re-composes the config, makes a second
+run directory and, in a multirun, re-launches the sweep. Here the Hydra job only launches: each worker runs
+`launch.worker.main(<run_dir>/config.yaml)` with the torchrun environment set, so every rank trains the same resolved
+job into the same directory. One worker failing stops the others; each runs a watchdog (launch/watchdog.py).
 
-The workers are forked from one fork server (multiprocessing's forkserver: a fresh interpreter, no CUDA, no
-thread of this process) that imported torch and Lightning once, so N workers cost one import (8 s of CPU on a
-small machine) instead of N at once, also on a file system that serves Python's files slowly. A sweep keeps
-the server: its next jobs start at once. ddp_spawn's workers are started by multiprocessing's spawn instead:
-fresh interpreters, each importing everything itself. The worker sets its own environment and thread count.
+Workers are forked from one fork server that imported torch and Lightning once (launch/fork_server.py): N workers
+cost one import, and a sweep's next jobs start at once. ddp_spawn's are spawned: fresh interpreters.
 
-On one machine (no MASTER_PORT given) rank 0 serves the rendezvous store on a port the OS picks (port 0) and
-holds it for the whole run, so two runs started at once cannot race for a port (a port merely found free here
-and bound by rank 0 later could be taken in between). Rank 0 sends this process the port through a pipe; the
-other ranks start with it. On several nodes, node 0's job serves the store at MASTER_PORT (`join_nodes`). This
-process imports torch only for that store.
+On one machine (no MASTER_PORT) rank 0 serves the rendezvous store on a port the OS picks and holds it for the whole
+run, so two runs started at once cannot race for a port; it sends this process the port through a pipe. On several
+nodes node 0's job serves the store at MASTER_PORT (`join_nodes`).
 """
 
 import multiprocessing
@@ -40,17 +33,17 @@ _node_store = None  # the store the jobs of several nodes share, held (node 0: s
 
 
 class WorkerFailed(Exception):
-    """The job's exit code; `message` is None where the failing process has said why (or another node's did)."""
+    """The job's exit code; `message` is None where the failing process has said why (or another node's did);
+    `reported`: read from the run's store, where another node's process wrote it."""
 
     def __init__(self, message: str | None, exit_code: int, reported: bool = False):
-        """`reported`: read from the run's store, where another node's process wrote it (this node says it too)."""
         super().__init__(message)
         self.message, self.exit_code, self.reported = message, exit_code, reported
 
 
 def join_nodes(serve: bool):
-    """The store at MASTER_ADDR:MASTER_PORT that the jobs of several nodes share for the whole run (served by node 0's
-    job): the run's name, then every node's workers' rendezvous and the failures any process reports."""
+    """The store at MASTER_ADDR:MASTER_PORT that the nodes' jobs share (node 0's serves it): the run's name, the
+    workers' rendezvous, the failures any process reports."""
     global _node_store
     from torch.distributed import TCPStore
 
@@ -75,8 +68,8 @@ def launch_workers(
     grace_s: float = 10.0,
     linger_s: float = 0.0,
 ) -> None:
-    """Runs `entry(env, config_path, port_to, job)` in one process per device of this node: forked from a server that
-    imported `preload` (the worker's modules) once, or with `start_method="spawn"` a fresh interpreter each."""
+    """Runs `entry(env, config_path, port_to, job)` in one process per device of this node, forked from a server that
+    imported `preload` once (or spawned)."""
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -139,9 +132,8 @@ def launch_workers(
 
 
 def _start_with_held_port(start: Callable, ranks: list[dict]) -> str | None:
-    """Rank 0 serves the store on port 0 (the OS picks, rank 0 holds) and sends the port through a pipe; the
-    other ranks start with it. All ranks are clients of that store (torch's agent-store contract). Returns the
-    port, or None where rank 0 ended before it said (then _wait reports rank 0)."""
+    """Rank 0 serves the store on a port the OS picks and sends it through a pipe; the other ranks start with it.
+    Returns the port, or None where rank 0 ended before it said (then _wait reports rank 0)."""
     receive, send = multiprocessing.Pipe(duplex=False)
     start(ranks[0], port_to=send)
     send.close()  # rank 0 holds the only sending end: reading ends when it sends or ends
@@ -164,8 +156,8 @@ def _signal(process: BaseProcess, signum: int) -> None:
 
 
 def _run_store(address: str, port: str | None, holder: BaseProcess | None):
-    """A client of the store rank 0 serves on this node (torch imported only now, on this failure path), or None:
-    gone with rank 0, or rank 0 stopped (SIGSTOP), which never answers, and a client would wait on it for good."""
+    """A client of the store rank 0 serves on this node, or None: gone with rank 0, or rank 0 stopped (SIGSTOP:
+    a client would wait on it for good)."""
     if holder is None or port is None or _stopped(holder.pid):
         return None
     try:
@@ -192,10 +184,9 @@ def join_rendezvous(port_to=None):
 
 
 def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_node: int) -> None:
-    """Until every worker exits 0; else raises for the first that failed, with its code (128 + the signal's number
-    for a worker a signal ended: 137 for SIGKILL, as a shell and schedulers report it). A worker that exits with a
-    code has said why (watchdog.report); one a signal ended cannot, so this says it. Several nodes: also ends when
-    a process of another node has reported a failure in the store (this node's workers may be unable to leave)."""
+    """Until every worker exits 0; else raises for the first that failed. One a signal ended cannot say why: said here,
+    with 128 + the signal's number (137 for SIGKILL, as shells and schedulers report it). Several nodes: also ends when
+    another node's process has reported a failure in the store (this node's workers may be unable to leave)."""
     store, polls, node = node_store(), 0, first_rank // per_node
 
     def reported_elsewhere() -> WorkerFailed | None:  # another node's failure is said here too
@@ -207,7 +198,8 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
         codes = [p.exitcode for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
         if killed := [(rank, code) for rank, code in failed if code < 0]:
-            raise worker_failed(first_rank + killed[0][0], per_node, killed[0][1])
+            lost, name = where(first_rank + killed[0][0], per_node), signal.Signals(-killed[0][1]).name
+            raise WorkerFailed(f"{lost} was killed by {name}; every process of the run stops", 128 - killed[0][1])
         if failed:
             code = failed[0][1]
             if code == PREEMPTED_EXIT_CODE:
@@ -221,17 +213,6 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
         if polls % 5 == 0 and (failed := reported_elsewhere()):  # this node's workers may be unable to leave
             raise failed
         time.sleep(0.2)
-
-
-def worker_failed(rank: int, per_node: int, exit_code: int) -> WorkerFailed:
-    """A worker's exit as the job's: one a signal ended (exit code -signal) is said here, with 128 + the signal's
-    number (137 for SIGKILL, as a shell and schedulers report it); one that exited with a code has said why."""
-    if exit_code >= 0:
-        return WorkerFailed(None, exit_code)
-    name = signal.Signals(-exit_code).name
-    return WorkerFailed(
-        f"{where(rank, per_node)} was killed by {name}; every process of the run stops", 128 - exit_code
-    )
 
 
 def name_process(name: str) -> None:

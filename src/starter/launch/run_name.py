@@ -1,12 +1,7 @@
-"""The `run_name` config resolver: the name of this run's directory, the same in every process of the run.
-
-A time stamp, except where several processes each compose the config and must agree on one directory:
-- torchrun: rank 0's stamp, shared through torchrun's own key-value store; its restarts keep the first one;
-- our launcher on several nodes (NODE_RANK, MASTER_ADDR, MASTER_PORT set, num_nodes > 1): node 0's stamp, shared
-  through the store the nodes' jobs share for the whole run (launcher.join_nodes);
-- SLURM tasks started by `srun` (one per rank): `slurm-<job id>.<step id>`, which every task knows; a
-  requeued job keeps its job id, so `ckpt_path=auto` finds its own directory again.
-"""
+"""The `run_name` resolver: this run's directory name, the same in every process. A time stamp, shared where several
+processes compose the config: torchrun's rank 0's through torchrun's store (restarts keep it); node 0's through the
+nodes' store (launcher.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
+`ckpt_path=auto` finds its directory)."""
 
 import os
 from datetime import datetime, timedelta

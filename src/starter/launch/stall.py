@@ -1,9 +1,7 @@
-"""A run whose ranks all answer the heartbeat may still wait forever: one rank's main thread deadlocked (in its data
-loader, in its own code) while its threads live on, the others waiting for it in a collective. Each rank's watchdog
-(watchdog.py) publishes with its beat how far its main thread has got (batch boundaries passed,
-counted by callbacks/batch_ticks.py) and, when that has not moved, where the main thread is; rank 0's `Stall` reads
-them all and says whom the run waits for once no rank has moved for `stall_timeout_s`.
-"""
+"""A run whose ranks all answer the heartbeat may still wait forever: one main thread deadlocked, the others waiting
+for it in a collective. Each watchdog beat carries how far the main thread has got (callbacks/batch_ticks.py) and,
+when that has not moved, where it is; rank 0's `Stall` names whom the run waits for once no rank has moved for
+`stall_timeout_s`."""
 
 import os
 import sys
@@ -26,9 +24,8 @@ def read_progress(store, prefix: str, world: int) -> dict[int, tuple[int, int, s
 
 
 class Stall:
-    """Rank 0's judge of the ranks' progress: a line naming whom the run waits for, once every rank is inside a loop
-    and no rank's count has moved for `timeout_s`. Outside loops (setting up, saving the final weights, exporting)
-    a process may legitimately work alone for long: the clock starts again."""
+    """Rank 0's judge: a line naming whom the run waits for, once every rank is inside a loop (outside, a process may
+    work alone for long) and no rank's count has moved for `timeout_s`."""
 
     SHOWN = 4  # ranks named in the line at most
     ENDS = "every process of the run stops (raise stall_timeout_s if a step or a checkpoint save takes longer)"

@@ -1,32 +1,16 @@
 """Every process of a several-process run ends, within a bound, when one of them fails, dies or stops answering.
 
-The processes already share a key-value store (served by rank 0, or by node 0's job of our launcher). Each
-process runs a `Watchdog`: a daemon thread, a client of that store, which every few seconds
-- adds 1 to this rank's heartbeat counter;
-- reads `failed`: once a process has written it, this one leaves at once with the code written there, silently
-  (whoever wrote it printed the cause);
-- rank 0 reads every rank's counter, the others read rank 0's: a counter that has not moved for `timeout_s`
-  (that process killed or stopped, its node gone; STARTUP_S at least before its first beat) is a lost rank; the
-  reader writes `failed` and names it.
-A store that does not answer for `timeout_s` (the process or node serving it gone or stopped) ends this process
-with a line saying so: a second thread keeps that time, since a stopped server never fails a request.
+Each process runs a `Watchdog`: a daemon thread, a client of the run's store, that every few seconds adds 1 to its
+rank's heartbeat counter and reads `failed` (written by the first process that met an error, which printed the cause:
+the others leave with its code, silently). Rank 0 watches every rank's counter, the others rank 0's: one that has not
+moved for `timeout_s` is a lost rank, named in `failed`. A second thread ends the process when the store has not
+answered for `timeout_s` (a stopped server never fails a request). Each beat also carries how far the main thread has
+got, so rank 0 ends a run whose ranks all answer while their main threads wait forever (stall.py).
 
-A process can answer every beat while its main thread waits forever (deadlocked in its data loader or its own
-code; its peers wait for it in a collective). So each beat also says how far the main thread has got
-(batch boundaries passed, counted by callbacks/batch_ticks.py, and where it is when that count
-has not moved), and rank 0 ends the run once every rank is inside a loop and no rank has moved for
-`stall_timeout_s`, naming the ranks that are behind the others.
-
-A lost rank that is stopped (SIGSTOP, state T) cannot act on the SIGTERM that torchrun's agent or torch's spawn
-sends it, and they give it 30 s before SIGKILL; srun leaves it to SLURM. Where no launcher of ours starts the
-ranks (`kills_stopped_peers`), the watchdog that names a lost rank on its own host therefore SIGKILLs it when it is
-stopped. (Our launcher kills its stopped workers itself when the run ends.)
-
-A worker of our launcher also watches its launcher: one killed (SIGKILL, the OOM killer) leaves its workers with
-nobody to forward a signal or collect their exit; they then stop as on a stop signal, saving last.ckpt.
-
-`report(...)`: a process (or a node's launcher) that meets an error writes `failed`; the first writer prints its
-line, so the cause is printed once whichever ranks meet it.
+A stopped rank (SIGSTOP) cannot act on a SIGTERM (torchrun's agent sends SIGKILL 30 s later, srun never): where no
+launcher of ours starts the ranks, the watchdog that names it SIGKILLs it if it runs on its host. A worker of our
+launcher watches the launcher too: with it gone (SIGKILL, the OOM killer) the worker stops as on a stop signal, saving
+last.ckpt.
 """
 
 import os
@@ -99,8 +83,7 @@ def serve_store(address: str, port: int = 0):
 
 
 def client(address: str, port: int, timeout_s: float):
-    """A client of the store at address:port; raises at once where nothing listens there (a store client would
-    retry for up to twice its timeout, and then connect some seconds after the store is up)."""
+    """A client of the store at address:port; raises at once where nothing listens (a client would retry)."""
     from torch.distributed import TCPStore
 
     if not listening(address, port):
@@ -122,9 +105,8 @@ class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
                  stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
                  stop_signal: int = signal.SIGTERM, kills_stopped_peers: bool = False):  # fmt: skip
-        """`store_holder`: who serves the store, for the line said when it stops answering. `launcher_pid`: the
-        process that started this one (our launcher), which it outlives only to save and stop (`stop_signal`).
-        `kills_stopped_peers`: a lost rank found stopped on this host is SIGKILLed here (no launcher of ours would)."""
+        """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: our launcher, which
+        this process outlives only to save and stop (`stop_signal`)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
@@ -149,9 +131,8 @@ class Watchdog:
 
     @contextmanager
     def reporting(self):
-        """Runs the block; a failure in it is reported to every process and becomes SystemExit(its code): 2 for a
-        user error, 1 for an exception (its traceback printed), the first reporter's code where another process
-        failed first (a collective it broke raised here: nothing to add)."""
+        """A failure in the block is reported to every process and becomes SystemExit: 2 for a user error, 1 for an
+        exception (its traceback printed), the first reporter's code where another process failed first."""
         try:
             yield
         except UserError as err:
@@ -169,8 +150,7 @@ class Watchdog:
             self.stop()
 
     def failure(self, wait_s: float = 0) -> tuple[int, str, int] | None:
-        """What another process reported, waiting up to `wait_s` for it (a peer killed by a signal is reported by
-        its launcher), or None."""
+        """What another process reported, waiting up to `wait_s` (its launcher reports a peer a signal killed)."""
         deadline, reached = time.monotonic() + wait_s, False
         while True:
             try:
@@ -185,10 +165,8 @@ class Watchdog:
             time.sleep(0.2)
 
     def _peer_lost(self) -> tuple[int, str, int] | None:
-        """After an exception that no process has reported: wait until every other rank beats once more (then the
-        exception is this process's own: None) or a failure is reported. A peer that died without a word (an srun
-        task a signal killed: no launcher of ours to say it) never beats again, and the watchdogs name it after
-        `timeout_s`, here or from rank 0; meanwhile this rank does not blame the collective that peer broke."""
+        """After an exception nobody reported: a failure reported meanwhile, or None once every other rank has beaten
+        again (the exception is this process's own). A peer that died without a word is named after `timeout_s`."""
         try:
             store = client(self.address, self.port, timeout_s=2)
             keys = [f"{key_prefix()}/beat/{rank}" for rank in range(self.world) if rank != self.rank]
@@ -321,9 +299,8 @@ def process_state(pid: int) -> str | None:
 
 
 def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, stall_timeout_s: float) -> Watchdog:
-    """The watchdog of the ranks torchrun or srun started, which each run train.py. Rank 0 serves the run's store
-    from now on and every rank, rank 0 too, is its client in init_process_group (torch's agent-store contract, as
-    under our launcher), so a rank that fails before the process group exists is seen too."""
+    """The watchdog of a rank torchrun or srun started. Rank 0 serves the run's store and every rank is its client
+    in init_process_group too (torch's agent-store contract), so a rank that fails before the group exists is seen."""
     rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -335,9 +312,8 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
 
 
 def _torchrun_store(timeout_s: float):
-    """On a port the OS picks, told through torchrun's agent store. A fresh store for each attempt: the agent's
-    store outlives a restart (--max-restarts), and a restarted gloo group read the previous attempt's addresses
-    there (connection refused, or a hang)."""
+    """On a port the OS picks, told through torchrun's agent store: a fresh store per attempt, since the agent's
+    outlives a restart and a restarted gloo group would read the old attempt's addresses there."""
     rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
     agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
     key = f"{key_prefix()}/store_port"
@@ -349,8 +325,7 @@ def _torchrun_store(timeout_s: float):
 
 
 def _srun_store(timeout_s: float):
-    """Where Lightning's SLURM environment meets: MASTER_ADDR and MASTER_PORT, else the job's first node and a port
-    from the job id, which every task knows. The other tasks' watchdogs connect once it is up (client())."""
+    """Where Lightning's SLURM environment meets (MASTER_ADDR/PORT, else the first node and a port from the job id)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     slurm = SLURMEnvironment()

@@ -1,9 +1,5 @@
-"""One process of a multi-process run: `forked(env, RUN_DIR/config.yaml, port_to, job)`, started by
-launch/launcher.py (from its fork server, or spawned) with the torch.distributed environment set.
-
-Reads the resolved config (no Hydra here), so every worker trains exactly the job its parent was given: `job` names
-the function that runs one process's part ("starter.run:run", given by main.py, which this layer does not import).
-"""
+"""One process of a several-process run, started by launch/launcher.py with the torch.distributed environment set. It
+reads the resolved config (no Hydra here) and runs `job` ("module:function", given by main.py)."""
 
 import atexit
 import importlib

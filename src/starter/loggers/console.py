@@ -1,6 +1,5 @@
-"""What a healthy run prints on the console: this starter's own lines (what runs, the epochs, the tested checkpoint,
-the table, where the run is) and anything at ERROR. The rest (Lightning's notices, libraries' chatter, Python's
-warnings) goes to the run's log file only; `verbose=true` prints it all."""
+"""What a healthy run prints: this starter's own lines and anything at ERROR. The rest (Lightning's notices, libraries'
+warnings) goes to the run's log file; `verbose=true` prints it all."""
 
 import logging
 from pathlib import Path

@@ -1,10 +1,5 @@
-"""Lightning's CSVLogger, except that it continues an existing metrics.csv instead of deleting it.
-
-A requeued job (`ckpt_path=auto`) resumes in its own run directory; Lightning's writer would delete the
-metrics.csv of the epochs before the preemption when it starts. Here the old rows stay and the resumed
-run's rows follow. After a SIGKILL (not a SIGTERM, which saves where it stops), the steps between the last
-checkpoint and the kill are trained again and appear twice: the `step` column tells them apart.
-"""
+"""Lightning's CSVLogger continuing an existing metrics.csv (a requeued job's, `ckpt_path=auto`) instead of deleting it.
+Steps trained again after a SIGKILL appear twice: the `step` column tells them apart."""
 
 import csv
 

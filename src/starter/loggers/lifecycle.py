@@ -18,9 +18,8 @@ def log_config(trainer, cfg: DictConfig) -> None:
 
 
 def end_logger_runs(trainer, exit_code: int = 0) -> None:
-    """Every logger's run ends with how the job ended: finished, failed, or (stopped by a signal: 143) killed; and
-    W&B's run, which Lightning leaves open until the process exits (the next job of a multirun in the same process
-    would log into it), ends here, so each job is a run of its own."""
+    """Every logger's run ends with how the job ended: finished, failed, or killed (143); W&B's too, which Lightning
+    leaves open until the process exits (a multirun's next job would log into it)."""
     from lightning.pytorch.loggers import WandbLogger  # importable without wandb installed
 
     status = {0: "success", PREEMPTED_EXIT_CODE: "KILLED"}.get(exit_code, "failed")

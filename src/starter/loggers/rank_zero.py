@@ -1,6 +1,5 @@
-"""A logger built on rank 0 only, which alone logs: Lightning's MLFlowLogger opens its tracking store in its
-constructor, in every rank, and two ranks creating one SQLite store at once made one die in its schema migration
-("duplicate column name: step"). The other ranks get none (run.py leaves out a logger that builds to None)."""
+"""A logger built on rank 0 only: MLFlowLogger opens its store in its constructor, and two ranks creating one SQLite
+store at once can kill one in its schema migration. The other ranks get None (left out by run.py)."""
 
 from hydra.utils import get_class
 

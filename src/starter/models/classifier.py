@@ -1,15 +1,11 @@
 """A LightningModule that trains any net with cross-entropy and reports exact loss and accuracy.
 
-Evaluation metrics are torchmetrics objects: their states (sums and counts) are synced across processes once
-per epoch, so val/test numbers are exact under any strategy, also when ranks hold unequal shards (or, in a
-pipeline, none). Sums and counts on the device: no per-step argument checks, each a host-device sync on a GPU.
-Only primitive hyper-parameters and tensors go into checkpoints, so they load with torch.load(weights_only=True).
-
-Training labels are class indices, or soft targets (rows summing to 1) when the data mixes images (mixup,
-cutmix); `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are the torchvision recipe's knobs of
-the same names. The warm-up scales the configured schedule's learning rate by a factor rising linearly from 0.01
-to 1 over its optimizer steps, applied around each step only, so the schedule itself (and its resume) is the
-configured one.
+Evaluation metrics are torchmetrics states (sums and counts, on the device: no per-step host sync) synced once per
+epoch, so val/test figures are exact under any strategy, also when ranks hold unequal shards. Only primitive
+hyper-parameters and tensors go into checkpoints (they load with weights_only=True). Training labels are class indices,
+or soft targets with mixup/cutmix; `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are torchvision's
+recipe's knobs. The warm-up scales the configured schedule's rate around each step only, so the schedule (and its
+resume) stays the configured one.
 """
 
 from collections.abc import Callable
@@ -131,8 +127,7 @@ class Classifier(L.LightningModule):
         return 1.0 if step >= warm_steps else 0.01 + 0.99 * step / warm_steps
 
     def parameter_groups(self):
-        """All parameters; with norm_weight_decay, the norm layers' (BatchNorm, LayerNorm, ...) in a group of
-        their own."""
+        """All parameters; with norm_weight_decay, the norm layers' in a group of their own."""
         if self.norm_weight_decay is None:
             return self.parameters()
         norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,

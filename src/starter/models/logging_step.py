@@ -1,9 +1,6 @@
-"""Whether Lightning writes the training logs at the end of the batch now under way. The one place this is decided
-for everything that reads a value on the host only then, keeping other steps free of host syncs and collectives:
-the module's `self.log`, the NaN check, the SIGTERM agreement between ranks, the progress display, the pipeline's
-broadcast of its output. Lightning's own rule (LoggerConnector.should_update_logs), which it does not expose:
-every `trainer.log_every_n_steps`-th optimizer step, on the batch that steps the optimizer. The same answer
-anywhere from `on_train_batch_start` to `on_train_batch_end`."""
+"""Whether Lightning writes the training logs at the end of the batch under way: the one place deciding when a value may
+be read on the host (self.log, the NaN check, the stop agreement, the progress display, the pipeline's output
+broadcast). Lightning's own rule (LoggerConnector.should_update_logs), which it does not expose."""
 
 
 def is_logging_step(trainer) -> bool:

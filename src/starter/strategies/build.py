@@ -16,9 +16,8 @@ DESCRIPTIVE_KEYS = ("name", "traits", "tensor_parallel_size", "pipeline_parallel
 
 
 def build_strategy(strategy_cfg: DictConfig, layout: Layout):
-    """A strategy whose traits name `one_process` runs as that strategy in a run of one process (ddp: one process
-    has nothing to all-reduce, and DDP's wrapper cost ~15% of a step on one GPU). A class whose constructor takes
-    `layout` gets it: the process sizes it meshes by, computed once."""
+    """A strategy whose traits name `one_process` runs as that in a run of one process (ddp: nothing to all-reduce,
+    and DDP's wrapper costs ~15% of a step on one GPU). A class whose constructor takes `layout` gets it."""
     traits = Traits.of(strategy_cfg)
     if layout.world == 1 and traits.one_process:
         log.info("strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"

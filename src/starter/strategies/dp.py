@@ -1,11 +1,9 @@
 """DataParallel (dp), which Lightning 2 removed: one process, each forward split over the visible GPUs.
 
-Only the LightningModule's `forward` is replicated: DataParallel scatters the batch over the GPUs, runs each
-slice on a replica and gathers the outputs on the first GPU. The step around it (loss, `self.log`,
-torchmetrics) runs once, in the main thread, on the whole gathered batch: the loss and its gradient are
-those of one device with the same batch, metrics need no special handling, and the module is never wrapped
-outside a step, so checkpoints have no `module.` prefix. Replicas run in threads, and torch enters autocast
-there with its default dtype (fp16 on CUDA): the caller's autocast dtype is passed to them explicitly.
+Only `forward` is replicated: the batch is scattered, each slice runs on a replica (in a thread) and the outputs are
+gathered on the first GPU. The step around it (loss, `self.log`, metrics) runs once on the whole batch, so it equals one
+device's, and checkpoints have no `module.` prefix. The caller's autocast dtype is passed to the replicas' threads
+(torch's default there is fp16).
 """
 
 from contextlib import contextmanager, nullcontext

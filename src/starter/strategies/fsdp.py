@@ -1,11 +1,9 @@
 """Fully sharded data parallel with FSDP2 (`torch.distributed.fsdp.fully_shard`), applied from outside the model.
 
-Each rank holds 1/N of every parameter, gradient and optimizer state of what it runs; a sharding unit's parameters
-are all-gathered for its forward and backward and freed after (`reshard_after_forward`), gradients are
-reduce-scattered. Order of application, as in torchtitan: tensor parallel (2D), activation checkpointing, then
-sharding units (innermost first), then roots. With `pipeline_parallel_size` the net is a pipeline first
-(strategies/pipeline.py) and each stage is parallelized so, over the data-parallel processes of its pipelines
-(3D). Runs on CPU (gloo) and GPU (nccl). Checkpoints: see strategies/model_parallel.py.
+Each rank holds 1/N of every parameter, gradient and optimizer state; a sharding unit's parameters are all-gathered for
+its forward and backward and freed after, gradients reduce-scattered. Applied in torchtitan's order: tensor parallel
+(2D), activation checkpointing, sharding units (innermost first), roots. With `pipeline_parallel_size` each pipeline
+stage is parallelized so (3D).
 """
 
 from collections.abc import Iterable
@@ -17,9 +15,8 @@ from starter.strategies.model_parallel import OutsideModelParallel
 from starter.strategies.pipeline import Pipelined
 from starter.strategies.tp import apply_tensor_parallel, split_layers
 
-# Outermost modules of these classes become sharding units: the residual blocks of a ResNet, the transformer
-# blocks of a ViT, else each Linear/Conv2d layer. A unit is the granularity of all-gather and free: bigger units,
-# fewer collectives.
+# Outermost modules of these classes become sharding units (ResNet's residual blocks, ViT's blocks, else each layer):
+# the granularity of all-gather and free, bigger units making fewer collectives.
 DEFAULT_UNITS = ("BasicBlock", "Bottleneck", "Block", "Linear", "Conv2d")
 MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # what parameters are computed with
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -50,9 +47,8 @@ def apply_activation_checkpointing(units: list[nn.Module]) -> None:
 
 def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool,
                param_dtype=None):  # fmt: skip
-    """Shard every unit, then every root for what the units leave. `param_dtype` (mixed precision: bf16 or fp16):
-    parameters are all-gathered and computed with in it (half the bytes of each all-gather), gradients
-    reduce-scattered in fp32, and the optimizer steps the fp32 shards; BatchNorm stays in fp32."""
+    """Shard every unit, then every root for what the units leave. `param_dtype` (bf16 or fp16): parameters are
+    all-gathered and computed with in it, gradients reduce-scattered in fp32; BatchNorm stays in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(
@@ -75,8 +71,7 @@ def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_aft
 
 
 def move_state_but_parameters(module: nn.Module, device) -> None:
-    """Every tensor but the parameters to `device`: buffers, and the states of parameter-free submodules such as
-    torchmetrics metrics. With CPU offload the parameter shards stay in CPU memory (FSDP2 places them)."""
+    """Every tensor but the parameters (CPU-offloaded shards, placed by FSDP2) to `device`: buffers, metrics."""
     for submodule in module.modules():
         if next(submodule.parameters(), None) is None:
             submodule.to(device)
@@ -86,25 +81,16 @@ def move_state_but_parameters(module: nn.Module, device) -> None:
 
 
 class FSDP2Strategy(Pipelined, OutsideModelParallel):
-    """FSDP2 over the data-parallel processes; with `strategy.tensor_parallel_size` > 1, tensor parallel within groups
-    of that many processes first (2D: the data-parallel rank alone decides the batch); with
-    `strategy.pipeline_parallel_size` > 1, both per stage of a pipeline (3D)."""
+    """FSDP2 over the data-parallel processes; tensor parallel first within groups of `tensor_parallel_size` (2D);
+    both per pipeline stage with `pipeline_parallel_size` > 1 (3D)."""
 
     strategy_name = "fsdp"
 
-    def __init__(
-        self,
-        sharding_units: Iterable[str] = DEFAULT_UNITS,
-        reshard_after_forward: bool = True,
-        cpu_offload: bool = False,
-        activation_checkpointing: bool = False,
-        **kwargs,
-    ):
+    def __init__(self, sharding_units: Iterable[str] = DEFAULT_UNITS, reshard_after_forward: bool = True,
+                 cpu_offload: bool = False, activation_checkpointing: bool = False, **kwargs):  # fmt: skip
         super().__init__(**kwargs)
-        self.unit_names = tuple(sharding_units)
-        self.reshard_after_forward = reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.activation_checkpointing = activation_checkpointing
+        self.unit_names, self.reshard_after_forward = tuple(sharding_units), reshard_after_forward
+        self.cpu_offload, self.activation_checkpointing = cpu_offload, activation_checkpointing
 
     def place(self) -> None:
         if self.cpu_offload:

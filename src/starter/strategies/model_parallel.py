@@ -1,11 +1,6 @@
-"""What fsdp, tp and pp share: Lightning's ModelParallelStrategy with the parallelism applied from outside.
-
-Lightning's ModelParallelStrategy expects the LightningModule to parallelize itself in `configure_model`;
-here a subclass does it in `parallelize`, so the module stays strategy-agnostic. The device mesh has the sizes
-of the run's layout (topology.py), handed over when the strategy is built. Checkpoints are sharded
-directories (one file per rank + metadata, torch.distributed.checkpoint); each save writes a new directory
-that `last.ckpt`/`best.ckpt` (symlinks) then point at atomically, so a kill never leaves a mix.
-"""
+"""What fsdp, tp and pp share: Lightning's ModelParallelStrategy with the parallelism applied from outside the module
+(`parallelize`, not the module's `configure_model`), on a mesh of the run's layout. Checkpoints are sharded directories
+(torch.distributed.checkpoint), each save a new one that `last.ckpt`/`best.ckpt` symlinks then point at atomically."""
 
 import shutil
 import time

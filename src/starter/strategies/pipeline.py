@@ -1,24 +1,15 @@
 """Pipeline parallel for the model-parallel strategies (torch.distributed.pipelining): the net cut into stages,
 micro-batches flowing through them, the LightningModule left as it is.
 
-The net must be an nn.Sequential (mlp, cnn, vit are): its layers are cut into `pipeline_parallel_size x
-stages_per_rank` contiguous stages of about equal parameter counts, each keeping at least one layer with
-parameters; stage s runs on the process of pipeline rank s mod P. As in torchtitan, every process keeps its copy of
-the module and drops the layers it does not own, so parameter names, checkpoints and model.pt stay the plain net's.
+The net's nn.Sequential is cut into `pipeline_parallel_size x stages_per_rank` contiguous stages of about equal
+parameter counts; stage s runs on pipeline rank s mod P. As in torchtitan, every process keeps its copy of the module
+and drops the layers it does not own, so parameter names, checkpoints and model.pt stay the plain net's. The processes
+form a (pipeline, data, tensor) mesh, tensor innermost; the strategy decides how the D pipelines' gradients meet.
 
-The processes form a mesh (pipeline, data, tensor), tensor innermost, as torchtitan orders it: a pipeline is the P
-processes of one data- and tensor-parallel place. Each of the D pipelines trains on its share of the global batch;
-the strategy decides how their gradients meet (pp: one all-reduce per optimizer step; fsdp, 3D: reduce-scattered
-to shards as in every fsdp run, by the stage at its last micro-batch).
-
-Each training step splits this process's batch into `microbatches` and runs the schedule (`gpipe`: all forwards,
-then all backwards; `1f1b`: one forward, one backward in steady state; `interleaved_1f1b`: several stages per
-process, smaller bubbles), which also runs backward: the loss is the module's `criterion` per micro-batch, as its
-share of the optimizer step's mean loss (and times the fp16 loss scale). The module's training_step runs on the
-last stages with `forward` answering the pipeline's output (and, at logging steps, on rank 0 too, with the first
-pipeline's output broadcast: rank 0 writes the logs). Its validation and test steps run on every process, the last
-stages with the outputs and the others with an empty batch, so torchmetrics syncs exact totals. An evaluation batch
-smaller than the others is padded for the pipeline and the padding cut off before the metrics see it.
+The schedule runs forward and backward per micro-batch with the module's `criterion`. The module's training_step runs on
+the last stages with `forward` answering the pipeline's output (at logging steps also on rank 0, with the output
+broadcast); validation and test steps run on every process, the others with an empty batch, so torchmetrics syncs exact
+totals. A smaller last evaluation batch is padded for the stages and cut back before the metrics.
 """
 
 from functools import cache
@@ -44,9 +35,8 @@ def pipelined_net(module: nn.Module) -> nn.Sequential:
 
 
 def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges of `layers`, each holding parameters, the largest stage as small as it can
-    be. A stage starts at the first layer or at a layer with parameters: layers without (ReLU, Flatten) stay
-    with the layer before them."""
+    """Contiguous [start, end) ranges of `layers`, each holding parameters, the largest as small as it can be;
+    layers without parameters (ReLU, Flatten) stay with the layer before them."""
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     holders = [i for i, size in enumerate(sizes) if size]
     if len(holders) < stages:
@@ -72,9 +62,8 @@ def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int
 
 
 class Pipelined:
-    """Mixed into a model-parallel strategy (before OutsideModelParallel): the net runs as a pipeline when the
-    layout has a pipeline dimension, or always (`pipeline_always`, strategy=pp). Stages get the strategy's own
-    parallelism through `parallelize_stage`; the whole net, when not pipelined, through `parallelize_whole`."""
+    """Mixed into a model-parallel strategy: the net runs as a pipeline when the layout has a pipeline dimension,
+    or always (`pipeline_always`, strategy=pp); the strategy's own parallelism goes to each stage or the whole net."""
 
     pipeline_always = False
 
@@ -108,8 +97,7 @@ class Pipelined:
 
     @property
     def device_mesh(self):
-        """Lightning's mesh has no pipeline dimension: a pipelined run meshes (pipeline, data, tensor), tensor
-        innermost; Lightning reads the data-parallel place off it too."""
+        """Lightning's mesh has no pipeline dimension: a pipelined run's is (pipeline, data, tensor)."""
         return self.pipeline_mesh if self.pipeline_mesh is not None else super().device_mesh
 
     def setup_environment(self) -> None:
@@ -149,8 +137,8 @@ class Pipelined:
                                  loss_fn=self._loss, scale_grads=False)  # fmt: skip
 
     def _loss(self, output, target):
-        """A micro-batch's share of the optimizer step's loss (the schedule does not scale gradients), times the
-        fp16 loss scale where there is one: the backward starts here, not in Lightning's precision plugin."""
+        """A micro-batch's share of the optimizer step's loss, times the fp16 loss scale where there is one (the
+        backward starts here, not in Lightning's precision plugin)."""
         shares = self.microbatches * self.lightning_module.trainer.accumulate_grad_batches
         loss = self.lightning_module.criterion(output, target) / shares
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -239,16 +227,14 @@ class Pipelined:
         return self._per_stage(state) if self.pipelined else state
 
     def _per_stage(self, state: dict) -> dict:
-        """An optimizer state whose parameter groups are saved per pipeline rank: torch.distributed.checkpoint keeps
-        one copy of what is not a tensor, as if every process had the same; a stage's groups name its parameters
-        (the data-parallel copies of a stage hold the same)."""
+        """Parameter groups saved per pipeline rank: torch.distributed.checkpoint keeps one copy of what is not a
+        tensor, and each stage's groups name its own parameters."""
         rank = self.device_mesh["pipeline_parallel"].get_local_rank()
         return {"state": state["state"], f"param_groups_of_stage{rank}": state["param_groups"]}
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Each process reads its stages' weights and optimizer state (Lightning's own loader expects DTensor
-        parameters everywhere); returns the rest of the checkpoint. Weights are found by name, whatever the cut
-        that saved them; optimizer state only with the same cut (preflight checks it before launch)."""
+        """Each process reads its stages' weights (by name, whatever the cut that saved them) and optimizer state
+        (same cut only: checked before launch); returns the rest of the checkpoint."""
         if not self.pipelined:
             return super().load_checkpoint(checkpoint_path, weights_only)
         from torch.distributed import checkpoint
@@ -284,8 +270,7 @@ class Pipelined:
         return torch.load(path / "meta.pt", weights_only=weights_only)
 
     def full_state_dict(self) -> dict:
-        """Every stage's full weights (shards gathered within each stage), gathered on rank 0 (empty elsewhere):
-        the plain net's state dict."""
+        """The plain net's full state dict, gathered from every stage on rank 0 (empty elsewhere)."""
         if not self.pipelined:
             return super().full_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

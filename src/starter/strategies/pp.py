@@ -1,12 +1,7 @@
-"""Pipeline parallel (strategy=pp): the net cut into stages over `pipeline_parallel_size` processes (all of them by
-default), the pipelines of the remaining processes training side by side on their shares of the global batch
-(pp x dp). How the net is cut and run: strategies/pipeline.py.
-
-The data-parallel pipelines hold whole copies of their stages: their gradients are averaged by one all-reduce per
-optimizer step (of the stage's gradients flattened into one buffer), after the schedule has run the step's last
-micro-batch; each replica then takes the same optimizer step. For stages sharded over the data-parallel processes
-instead (less memory per process, an all-gather per stage forward): strategy=fsdp with pipeline_parallel_size (3D).
-"""
+"""Pipeline parallel (strategy=pp): the net cut into stages over `pipeline_parallel_size` processes
+(strategies/pipeline.py), the remaining processes' pipelines training beside them (pp x dp), holding whole stages whose
+gradients one all-reduce per optimizer step averages. Sharded stages instead: strategy=fsdp with pipeline_parallel_size
+(3D)."""
 
 import torch
 import torch.distributed as dist

@@ -1,18 +1,13 @@
-"""Lightning's precision plugins, with two things made to hold for sharded, split and staged gradients as they do
-for whole ones, in every mode:
+"""Lightning's precision plugins, made to hold for sharded, split and staged gradients as for whole ones:
 
-- Gradient clipping by the norm of the whole model's gradient. Plain gradients are whole (or, tensor parallel's
-  replicated layers, the same) where they are; DTensor gradients (fsdp, tp, 2D) have their norm reduced over their
-  mesh; a pipeline's stages add their squared norms over the pipeline group (torchtitan's way).
-- fp16 loss scaling whose overflow decision every rank shares. Each rank checks the gradients it holds (whole
-  tensors, its DTensor shards, its stages); where those differ between ranks (the strategy does not hold whole
-  weights: fsdp, tp, pp), one all-reduce per optimizer step makes an inf on any rank skip the step on all of them
-  and back the scale off alike, so the ranks never disagree on weights or scale. (ddp's gradients are the same
-  on every rank after its all-reduce: nothing to share.)
+- Gradient clipping by the norm of the whole model's gradient: DTensor gradients (fsdp, tp, 2D) have their norm reduced
+over their mesh; a pipeline's stages add their squared norms over the pipeline group (torchtitan's way). - fp16 loss
+scaling whose overflow decision every rank shares: where ranks hold different gradients (fsdp, tp, pp), one all-reduce
+per optimizer step makes an inf on any rank skip the step and back the scale off on all of them.
 
-`precision_plugin` builds the plugin from the `precision` key (run.py), not Lightning from the string: Lightning
-turns 16-mixed on CPU into bf16-mixed and refuses 16-mixed with its ModelParallelStrategy. torch 2.14 has fp16
-autocast and a GradScaler on CPU, so fp16 runs for real there too.
+`precision_plugin` builds the plugin from the `precision` key, not Lightning from the string: Lightning turns 16-mixed
+on CPU into bf16-mixed and refuses it with its ModelParallelStrategy; torch 2.14 has fp16 autocast and a GradScaler on
+CPU.
 """
 
 from collections import defaultdict
@@ -72,11 +67,8 @@ def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 class SharedOverflowScaler(torch.amp.GradScaler):
-    """torch's GradScaler over the gradients this process holds, its overflow decision shared by all processes.
-
-    Unscales each gradient's local part (DTensor shards and plain tensors apart, which torch's multi-tensor
-    kernel would refuse together), then takes the maximum of the found-inf flags over all processes: one
-    all-reduce per optimizer step (`shared`), where torch's FSDP1 ShardedGradScaler makes the same override."""
+    """torch's GradScaler over each gradient's local part (DTensor shards and plain tensors apart: torch's kernel
+    refuses them together), the found-inf flag all-reduced where `shared`, as torch's FSDP1 ShardedGradScaler does."""
 
     def __init__(self, device: str, shared: bool):
         super().__init__(device)
@@ -115,8 +107,7 @@ class TruePrecision(GlobalNormClipping, HalfPrecision):
 
 
 def precision_plugin(precision: str, device_type: str, whole_weights: bool = True) -> Precision:
-    """The plugin for `precision` (32 | 16-mixed | bf16-mixed | bf16-true) on `device_type` (cuda | cpu);
-    `whole_weights`: the strategy's trait (every rank holds every gradient, the same after reduction)."""
+    """The plugin for `precision` on `device_type` (cuda | cpu); `whole_weights`: the strategy's trait."""
     if precision == "32":
         return FullPrecision()
     if precision == "16-mixed":

@@ -1,13 +1,10 @@
 """Tensor parallel (Megatron style, DTensor): one layer's weights split over the ranks of a group.
 
-The plan is read off the net's structure, not written into it, nor looked up by its class name: an attention
-block's q, k and v projections are split column-wise (each rank computes its share of the heads) and its output
-projection row-wise (one all-reduce sums the partial outputs); a transformer MLP's first layer (fc1) column-wise
-and second (fc2) row-wise; in a plain stack of Linear layers, consecutive pairs likewise. The activation between
-a pair stays split, so each pair costs one all-reduce in forward and one in backward. Everything else (embedding,
-norms, the head) is replicated: every rank of the group sees the same batch and computes the same values for it.
-A net may instead declare its own plan (torchtitan's per-model plans): a method `tensor_parallel_plan()` returning
-{submodule name: ColwiseParallel() | RowwiseParallel() | ...}.
+The plan is read off the net's structure, never its class name: an attention block's q, k, v column-wise (each rank
+computes its share of the heads) and its proj row-wise (one all-reduce sums the partial outputs); an MLP's fc1
+column-wise and fc2 row-wise; in a Sequential of Linear layers, consecutive pairs likewise. Everything else is
+replicated: every rank of the group sees the same batch. A net may declare its own plan instead (torchtitan's way):
+`tensor_parallel_plan()` returning {submodule name: ColwiseParallel() | RowwiseParallel() | ...}.
 """
 
 from torch import nn
@@ -64,8 +61,7 @@ def check_splits(net: nn.Module, plan: dict, size: int) -> None:
 
 
 def apply_tensor_parallel(module: nn.Module, mesh) -> None:
-    """Split the layers of every net inside `module` (the LightningModule) over the ranks of `mesh`; a module whose
-    nets have nothing to split is refused."""
+    """Split the layers of every net inside the LightningModule over `mesh`; nothing to split is refused."""
     nets = [child for child in module.children() if next(child.parameters(), None) is not None]
     if not any(split_layers(net, mesh) for net in nets):
         names = ", ".join(type(net).__name__ for net in nets) or f"{type(module).__name__} (no net)"
@@ -74,8 +70,7 @@ def apply_tensor_parallel(module: nn.Module, mesh) -> None:
 
 
 def split_layers(net: nn.Module, mesh) -> bool:
-    """Split the layers of `net` (a net, or a pipeline stage of one) that its plan names over `mesh`; False where
-    the plan is empty."""
+    """Split the layers of `net` (or a pipeline stage) that its plan names over `mesh`; False for an empty plan."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if not (plan := tensor_parallel_plan(net)):
@@ -99,9 +94,8 @@ class TensorParallelStrategy(OutsideModelParallel):
 
 
 def step_one_by_one_where_split_and_replicated_mix(optimizers) -> None:
-    """The split layers' parameters are DTensors, the replicated ones plain tensors: torch's multi-tensor
-    (foreach) optimizer kernels, the default on CUDA, refuse the two in one parameter group. Such a group
-    steps its parameters one by one (same maths); under 2D every parameter is a DTensor and nothing changes."""
+    """torch's multi-tensor (foreach) optimizer kernels, the default on CUDA, refuse DTensors (split layers) and
+    plain tensors (replicated ones) in one parameter group: such a group steps one by one (same maths)."""
     from torch.distributed.tensor import DTensor
 
     for optimizer in optimizers:

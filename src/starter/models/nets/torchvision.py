@@ -1,7 +1,6 @@
-"""Any of torchvision's classification models by name (resnet18, resnet50, vit_b_16, ...), randomly initialised or
-from torchvision's weights (`weights: IMAGENET1K_V2`), which torchvision's own code fetches into
-$TORCH_HOME/hub/checkpoints (a file already there is used as it is: the way in where nothing downloads). Weights
-for another class count than the data's: the head is replaced, freshly initialised, and one line says so."""
+"""Any torchvision classification model by name, random or with torchvision's weights (`weights: IMAGENET1K_V2`, fetched
+into $TORCH_HOME/hub/checkpoints; a file there is used as it is). For another class count the head is replaced, freshly
+initialised, and one line says so."""
 
 import logging
 
