@@ -1,7 +1,6 @@
 """Shared test helpers: compose the real config, run the real train.py, and make small data sets."""
 
 import importlib.util
-import io
 import json
 import logging
 import os
@@ -9,8 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -182,15 +182,18 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     """Run `python train.py` (or `script`: predict.py, export.py) as a user would, with logs under tmp_path/logs;
     returns the finished process.
 
-    A run of one process with no environment of its own goes through the script's Hydra entry point inside this
-    test process (see train_here): the same program, without importing torch and Lightning again (4-5 s a run).
+    Most runs go through the script's Hydra entry point inside this test process (see train_here): the same program,
+    without importing torch and Lightning again (8 s of CPU a run). A run of several processes launches its workers
+    from this process's fork server, as a sweep's later jobs do, started once. Runs that need an environment of
+    their own (SLURM's, torchrun's, several nodes'), another Hydra launcher, or DataLoader workers in one process
+    (forked from a server of their own) run as `python train.py`.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
     quiet = QUIET if script == "train.py" else []
     overrides = [f"paths.log_dir={tmp_path / 'logs'}", *quiet, *on_cpu(o for o in overrides if not o.startswith("-"))]
-    if not flags and not env and one_process(overrides):
-        proc = train_here(tmp_path, overrides, script)
+    if runs_here(overrides, flags, env):
+        proc = train_here(tmp_path, [*flags, *overrides], script, timeout)
     else:
         command = [sys.executable, str(ROOT / script), *flags, *overrides]
         proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=with_env(env))
@@ -207,11 +210,15 @@ def predict(tmp_path: Path, *overrides: str, **kwargs):
     return proc
 
 
-def one_process(overrides: list[str]) -> bool:
-    """No other process takes part (DataLoader workers would write to a copy of this process's captured output)."""
+def runs_here(overrides: list[str], flags: list[str], env: dict | None) -> bool:
+    """Whether train() runs the script in this process: see its docstring. A run of one process with an environment
+    of its own (probes that record what its process imported) keeps a process of its own."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
-    return (values.get("strategy", "auto") in ("auto", "dp") and values.get("devices", "1") == "1"
-            and values.get("data.num_workers", "0") == values.get("num_workers", "0") == "0")  # fmt: skip
+    one_process = values.get("strategy", "auto") in ("auto", "dp") and values.get("devices", "1") == "1"
+    loader_workers = values.get("data.num_workers", "0") != "0" or values.get("num_workers", "0") != "0"
+    if (env and env != PROBES) or "launcher" in values or "num_nodes" in values or (one_process and loader_workers):
+        return False
+    return not (one_process and env)
 
 
 @dataclass
@@ -223,25 +230,33 @@ class Finished:
     stderr: str
 
 
-def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py") -> Finished:
+def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", timeout: int = 600) -> Finished:
     """`python <script> OVERRIDES` in this process: Hydra's own entry point with sys.argv, the working directory,
-    stdout and stderr as a subprocess would have them; what the run changes of the process is put back after."""
+    stdout and stderr as a subprocess would have them (its workers' too); what the run changes of the process is put
+    back after. A run past `timeout` seconds raises TimeoutError, as subprocess.run would."""
     from hydra.core.global_hydra import GlobalHydra
 
+    def too_long(signum, frame):
+        raise subprocess.TimeoutExpired(script, timeout)
+
     entry = _entry_point(script)
-    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a run sets its handlers for these
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)  # a run sets these handlers
     saved = (sys.argv, os.getcwd(), [signal.getsignal(s) for s in stop_signals], logging.getLogger().handlers[:])
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    code = 0
     run_name.cache_clear()  # a new run, a new name
     GlobalHydra.instance().clear()
     sys.argv = [str(ROOT / script), *overrides]
     os.chdir(tmp_path)
+    signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(timeout)
     try:
-        with redirect_stdout(out), redirect_stderr(err):
-            entry()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        with process_output().collected() as output:
+            try:
+                entry()
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     finally:
+        signal.alarm(0)
         sys.argv, cwd, signal_handlers, handlers = saved
         os.chdir(cwd)
         for signum, handler in zip(stop_signals, signal_handlers):
@@ -251,7 +266,73 @@ def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py") -
             added.close()
         root.handlers[:] = handlers
         GlobalHydra.instance().clear()
-    return Finished(code, out.getvalue(), err.getvalue())
+    return Finished(code, output["stdout"], output["stderr"])
+
+
+class ProcessOutput:
+    """stdout and stderr of the runs made in this process, of their workers too: two pipes that threads here read.
+
+    A launcher run here forks its workers from a fork server that this process starts once and that outlives the
+    run (as in a sweep), so the workers write where the server's stdout and stderr lead: fd 1 and 2 of this process
+    at the time, these pipes, kept for the session. After a run (its workers have ended) a marker written into each
+    pipe tells its reader where the run's output ends; what comes between runs is dropped."""
+
+    END = b"\0end of run\0"
+
+    def __init__(self):
+        self.pipes, self.received, self.ended = [], ([], []), (threading.Event(), threading.Event())
+        for stream in (0, 1):
+            read, write = os.pipe()
+            self.pipes.append(write)
+            threading.Thread(target=self._read, args=(read, stream), daemon=True, name=f"run output {stream}").start()
+
+    def _read(self, fd: int, stream: int) -> None:
+        pending = b""
+        with open(fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                pending += chunk
+                while self.END in pending:
+                    mine, pending = pending.split(self.END, 1)
+                    self.received[stream].append(mine)
+                    self.ended[stream].set()
+                keep = len(self.END) - 1  # a marker may arrive in two reads
+                self.received[stream].append(pending[:-keep])
+                pending = pending[-keep:]
+
+    @contextmanager
+    def collected(self):
+        """fd 1 and 2, sys.stdout and sys.stderr lead into the pipes inside the block; yields a dict that has "stdout"
+        and "stderr" after it."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        for stream in (0, 1):
+            self.received[stream].clear()
+            self.ended[stream].clear()
+        os.dup2(self.pipes[0], 1)
+        os.dup2(self.pipes[1], 2)
+        result = {}
+        out = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        err = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                yield result
+        finally:
+            out.flush()
+            err.flush()
+            for fd in (1, 2):
+                os.write(fd, self.END)
+                os.dup2(saved[fd - 1], fd)
+                os.close(saved[fd - 1])
+            for stream in (0, 1):
+                assert self.ended[stream].wait(60), "a run's output never ended"
+            texts = [b"".join(self.received[s]).decode(errors="replace") for s in (0, 1)]
+            result["stdout"], result["stderr"] = texts
+
+
+@cache
+def process_output() -> ProcessOutput:
+    return ProcessOutput()
 
 
 @cache
