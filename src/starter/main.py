@@ -72,8 +72,7 @@ def usage(conf: Path) -> str:
 
 
 def console(cfg: DictConfig, launcher: str | None) -> None:
-    """verbose=true: every logger's lines on the console. A rank torchrun or srun started other than rank 0: its
-    warnings and errors only (rank 0 alone speaks)."""
+    """verbose=true: every logger's lines on the console; ranks torchrun or srun started, but rank 0: warnings only."""
     for handler in logging.getLogger().handlers:
         if cfg.get("verbose") and isinstance(handler, logging.StreamHandler):
             handler.filters.clear()
@@ -118,8 +117,7 @@ def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:
-    """Plain values, no resolvers, for the workers and for readers. Written to a temporary file and renamed:
-    on a shared file system every node's job writes the same file while other nodes' workers may read it."""
+    """Plain values for the workers and readers, renamed into place (every node's job writes it, others read it)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     OmegaConf.save(cfg, temporary, resolve=True)
     os.replace(temporary, path)

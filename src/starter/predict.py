@@ -35,8 +35,8 @@ def prepare(cfg: DictConfig) -> Layout:
 
 
 def weights_path(spec: str, log_dir: Path) -> Path:
-    """The checkpoint `ckpt_path` names: a file or sharded directory; a run directory's best.ckpt (what its test
-    evaluated), else its model.pt; `last`: the newest run directory under `log_dir` that has either."""
+    """The checkpoint `ckpt_path` names: a file or sharded directory; a run directory's best.ckpt, else its model.pt;
+    `last`: the newest run directory under `log_dir` that has either."""
     if spec == "last":
         found = [p.parent.parent for p in log_dir.glob("**/checkpoints/*") if p.name in ("best.ckpt", "model.pt")]
         if not found:

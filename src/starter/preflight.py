@@ -43,8 +43,7 @@ def prepare(cfg: DictConfig) -> Layout:
 
 
 def settle(cfg: DictConfig, global_batch: int) -> Layout:
-    """What every run of processes settles (training, predict): precision, devices, processes, their layout, and
-    that each data-parallel process gets an equal share of `global_batch`."""
+    """What every run settles (training, predict): precision, devices, layout, equal shares of `global_batch`."""
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")

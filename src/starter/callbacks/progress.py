@@ -12,16 +12,15 @@ from starter.models.logging_step import is_logging_step
 
 
 def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar | None:
-    """The display for `trainer.enable_progress_bar` (conf/callbacks/base/every_run.yaml): a bar on a terminal, else
-    lines; None when disabled (Lightning refuses a progress bar callback then)."""
+    """A bar on a terminal, else lines; None when disabled (Lightning refuses a progress bar callback then)."""
     if not enabled:
         return None
     return TimedBar(refresh_s) if sys.stdout.isatty() else EpochLines()
 
 
 def logged_training_values(trainer, values: dict[str, float]) -> None:
-    """At a logging step: the module's `train/...` values, read (one host sync) into `values`, with the step they are
-    of. Not the epoch's figures (epoch_stats.py): during an epoch, callback_metrics still hold the previous epoch's."""
+    """At a logging step: the module's `train/...` values (not the epoch's figures) read into `values`, with the
+    step."""
     if is_logging_step(trainer):
         metrics = trainer.callback_metrics.items()
         values.update({k: float(v) for k, v in metrics if k.startswith("train/") and k not in EPOCH_FIGURES})

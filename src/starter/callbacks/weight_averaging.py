@@ -47,8 +47,7 @@ class AveragedWeights(EMAWeightAveraging):
         self.updates += 1
 
     def _paired_tensors(self, model) -> dict[str, tuple[list, list]]:
-        """The average's tensors and the model's, all of them and split by floating point or integer; the same
-        tensor objects for a whole fit (Lightning swaps the weights in for validation by copying data)."""
+        """The average's tensors and the model's (all, floating point, integer), the same objects for a whole fit."""
         average = self._average_model
         pairs = list(zip(average.module.parameters(), model.parameters()))
         if average.use_buffers:

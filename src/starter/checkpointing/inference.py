@@ -37,8 +37,7 @@ def save_full_weights(trainer, path: Path, inference: dict) -> None:
 
 
 def load_for_inference(path: Path) -> tuple[L.LightningModule, dict]:
-    """The trained model (on the CPU, in eval mode) and its inference record, from a checkpoint file, a sharded
-    checkpoint directory (any strategy's) or a model.pt."""
+    """The trained model (CPU, eval mode) and its inference record, from any checkpoint of this starter or model.pt."""
     from hydra.utils import instantiate
 
     with refusing_pickled_code(path):

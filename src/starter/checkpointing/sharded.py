@@ -7,8 +7,7 @@ from pathlib import Path
 
 
 def point_atomically(link: Path, target: str) -> None:
-    """Make `link` a symlink to the sibling directory `target` with one rename, then delete its older versions
-    (also those a killed save left half-written)."""
+    """Make `link` a symlink to the sibling `target` with one rename, then delete older versions (half-written too)."""
     temporary = link.with_name(f".{target}.link")
     os.symlink(target, temporary)  # relative: the run directory can be moved
     if link.is_dir() and not link.is_symlink():

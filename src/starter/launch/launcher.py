@@ -42,8 +42,7 @@ class WorkerFailed(Exception):
 
 
 def join_nodes(serve: bool):
-    """The store at MASTER_ADDR:MASTER_PORT that the nodes' jobs share (node 0's serves it): the run's name, the
-    workers' rendezvous, the failures any process reports."""
+    """The store at MASTER_ADDR:MASTER_PORT that the nodes' jobs share (node 0's serves it) for the whole run."""
     global _node_store
     from torch.distributed import TCPStore
 
@@ -68,8 +67,7 @@ def launch_workers(
     grace_s: float = 10.0,
     linger_s: float = 0.0,
 ) -> None:
-    """Runs `entry(env, config_path, port_to, job)` in one process per device of this node, forked from a server that
-    imported `preload` once (or spawned)."""
+    """Runs `entry(env, config_path, port_to, job)` in one process per device of this node."""
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
     env = dict(
@@ -157,8 +155,8 @@ def _signal(process: BaseProcess, signum: int) -> None:
 
 
 def _run_store(address: str, port: str | None, holder: BaseProcess | None):
-    """A client of the store rank 0 serves on this node, or None: gone with rank 0, or rank 0 stopped (SIGSTOP:
-    a client would wait on it for good)."""
+    """A client of the store rank 0 serves on this node; None where rank 0 is gone or stopped (it would never
+    answer)."""
     if holder is None or port is None or _stopped(holder.pid):
         return None
     try:

@@ -19,8 +19,7 @@ from starter.loggers.console import set_up_logging
 
 
 def forked(env: dict, config_path: str, port_to, job: str) -> None:
-    """A worker started by the launcher: forked by its fork server (torch and Lightning imported already), or
-    spawned (a fresh interpreter)."""
+    """A worker started by the launcher: forked by its fork server (Lightning imported already), or spawned."""
     for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
         signal.signal(signum, signal.SIG_DFL)
     multiprocessing.set_start_method(None, force=True)  # what else it starts: the platform's way, not the server's

@@ -7,8 +7,7 @@ from starter.errors import PREEMPTED_EXIT_CODE
 
 
 def log_config(trainer, cfg: DictConfig) -> None:
-    """The run's config as the loggers' parameters (MLflow params, W&B config, TensorBoard hparams), from rank 0;
-    the CSV logger's run directory already has it in config.yaml."""
+    """The run's config as the loggers' parameters (MLflow params, W&B config, TensorBoard hparams), from rank 0."""
     from lightning.pytorch.loggers import CSVLogger
 
     params = OmegaConf.to_container(cfg, resolve=True)

@@ -227,8 +227,7 @@ class Pipelined:
         return self._per_stage(state) if self.pipelined else state
 
     def _per_stage(self, state: dict) -> dict:
-        """Parameter groups saved per pipeline rank: torch.distributed.checkpoint keeps one copy of what is not a
-        tensor, and each stage's groups name its own parameters."""
+        """Parameter groups per pipeline rank (torch.distributed.checkpoint keeps one copy of what is not a tensor)."""
         rank = self.device_mesh["pipeline_parallel"].get_local_rank()
         return {"state": state["state"], f"param_groups_of_stage{rank}": state["param_groups"]}
 
