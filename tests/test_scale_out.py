@@ -31,7 +31,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def test_multirun_with_ddp_inside_gives_one_directory_per_job(tmp_path):
-    train(tmp_path, "-m", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=1,2", "debug=limit")
+    # hydra.job.chdir=true: each job works in its directory, and so do its workers (forked from the server the first
+    # job started); rank 0 says on stdout, as one process does, where the run is, relative to where it works
+    proc = train(tmp_path, "-m", "hydra.job.chdir=true", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=1,2",
+                 "debug=limit")  # fmt: skip
+    assert proc.stdout.count("run directory: .\n") == 2, proc.stdout
     jobs = sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1"]
     for seed, job in zip((1, 2), jobs):

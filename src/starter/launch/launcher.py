@@ -77,7 +77,6 @@ def launch_workers(
         WORLD_SIZE=str(layout.world),
         LOCAL_WORLD_SIZE=str(devices),
         STARTER_LAUNCHER_PID=str(os.getpid()),  # each worker watches this process (launch/watchdog.py)
-        PWD=os.getcwd(),  # a forked worker starts in its server's directory: a sweep's first job's
         # as torchrun: the cores shared out, not every worker running a thread per core of the machine
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
     )

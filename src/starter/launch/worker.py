@@ -25,7 +25,6 @@ def forked(env: dict, config_path: str, port_to, job: str) -> None:
     multiprocessing.set_start_method(None, force=True)  # what else it starts: the platform's way, not the server's
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(env["PWD"])
     try:
         code = main(config_path, port_to, job)
     except SystemExit as stop:

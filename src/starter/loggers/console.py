@@ -2,6 +2,7 @@
 warnings) goes to the run's log file; `verbose=true` prints it all."""
 
 import logging
+import sys
 from pathlib import Path
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file's
@@ -18,7 +19,7 @@ def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, ver
     root = logging.getLogger()
     for handler in root.handlers[:]:
         root.removeHandler(handler)
-    console = logging.StreamHandler()
+    console = logging.StreamHandler(sys.stdout)  # as Hydra's console handler: the run's own lines on stdout
     console.setLevel(console_level)
     if not verbose:
         console.addFilter(Console())
