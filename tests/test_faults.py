@@ -138,11 +138,11 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     os.kill(proc.pid if target == "launcher" else worker_of_rank(proc, 1), signal.Signals[stop])
     proc.wait(timeout=60)
     assert proc.returncode == 143
-    err = proc.stderr.read()
+    out, err = proc.stdout.read(), proc.stderr.read()
     said = "SIGUSR2" if target == "launcher" else "a stop signal"  # the launcher knows the signal it forwarded
     assert f"stopped by {said} after saving checkpoints/last.ckpt; resume with ckpt_path=last" in err
     assert "Traceback" not in err
-    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", err)  # rank 0's line
+    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", out)  # rank 0's line
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
 
@@ -196,12 +196,12 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     workers = [worker_of_rank(proc, rank) for rank in (0, 1)]
     proc.kill()
     killed_at = time.monotonic()
-    _, err = proc.communicate(timeout=60)  # the workers write to the same stderr: read until the last has closed it
+    out, err = proc.communicate(timeout=60)  # the workers write to the same pipes: read until the last has closed them
     assert time.monotonic() - killed_at < 30 and all(gone(pid) for pid in workers)
     said = f"error: node 0's launcher (train.py, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt and" \
            " stop"  # fmt: skip
     assert [line for line in err.splitlines() if line.startswith("error:")] == [said]  # once, by local rank 0
-    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", err)  # rank 0's line
+    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", out)  # rank 0's line
     assert torch.load(last, weights_only=True)["global_step"] == int(stopped_at) > before
 
 
