@@ -335,6 +335,19 @@ def process_output() -> ProcessOutput:
     return ProcessOutput()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_writing_into_the_runs_output():
+    """This process's fork server, started before any test: a process has one (multiprocessing's forkserver, with the
+    first caller's preload), and a test's own DataLoader workers could otherwise start it with that test's captured
+    output as its stdout and stderr, where the workers of every later launcher run here would write. Preloaded as a
+    launcher's (Lightning), so its workers start at once."""
+    from starter.launch.fork_server import fork_server
+    from starter.main import TRAIN, worker_preload
+
+    with process_output().collected():
+        fork_server(worker_preload(TRAIN))
+
+
 @cache
 def _entry_point(script: str):
     spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_entry_point", ROOT / script)
