@@ -186,7 +186,8 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     without importing torch and Lightning again (8 s of CPU a run). A run of several processes launches its workers
     from this process's fork server, as a sweep's later jobs do, started once. Runs that need an environment of
     their own (SLURM's, torchrun's, several nodes'), another Hydra launcher, or DataLoader workers in one process
-    (forked from a server of their own) run as `python train.py`.
+    (they would come from this test process's fork server, whose environment is the first test's) run as
+    `python train.py`.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
@@ -233,7 +234,7 @@ class Finished:
 def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", timeout: int = 600) -> Finished:
     """`python <script> OVERRIDES` in this process: Hydra's own entry point with sys.argv, the working directory,
     stdout and stderr as a subprocess would have them (its workers' too); what the run changes of the process is put
-    back after. A run past `timeout` seconds raises TimeoutError, as subprocess.run would."""
+    back after. A run past `timeout` seconds raises subprocess.TimeoutExpired, as subprocess.run would."""
     from hydra.core.global_hydra import GlobalHydra
 
     def too_long(signum, frame):
