@@ -45,8 +45,9 @@ class TimedBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         logged_training_values(trainer, self.training_values)
-        if self._due(batch_idx, self.train_progress_bar.total):
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._due(batch_idx, self.train_progress_bar.total):  # one frame: the count and the figures together
+            self.train_progress_bar.n = batch_idx + 1
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self._due(batch_idx, self.val_progress_bar.total):
