@@ -233,26 +233,24 @@ def test_metrics_json_is_flat_json(default_run):
     assert all(isinstance(v, float) for v in data.values())
 
 
-def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_path):
-    # A callback, so that ddp_spawn's fresh interpreters get it too (an H100 run at precision=32 showed they did not).
-    from types import SimpleNamespace
+def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_path, monkeypatch):
+    # Set where every process starts (run.start_process), so ddp_spawn's fresh interpreters get it too.
+    from starter.run import start_process
 
-    from hydra.utils import instantiate
+    for seeded in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # start_process seeds: restored after the test
+        monkeypatch.setenv(seeded, "0")
 
-    from starter.callbacks.tf32 import TF32
+    def process(accelerator: str, *overrides: str):
+        cfg = compose_config([f"accelerator={accelerator}", *overrides], tmp_path)  # as preflight settles it
+        start_process(cfg)
 
-    def process_on(device: str):
-        return SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
-
-    tf32 = instantiate(compose_config([], tmp_path).callbacks.tf32)  # every run's (conf/callbacks/base/every_run.yaml)
-    assert isinstance(tf32, TF32) and tf32.enabled  # the default, tf32: true
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        TF32(True).setup(process_on("cpu"), None, "fit")
+        process("cpu")
         assert torch.get_float32_matmul_precision() == before[0]
-        TF32(True).setup(process_on("cuda"), None, "fit")
+        process("gpu")  # the default, tf32: true
         assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
-        TF32(False).setup(process_on("cuda"), None, "fit")
+        process("gpu", "tf32=false")
         assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     finally:
         torch.set_float32_matmul_precision(before[0])

@@ -1,9 +1,6 @@
 """One process's part of a run: build data, model and trainer from the resolved config, fit, test, report."""
 
 import logging
-import os
-import re
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -39,6 +36,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         log_model_summary(model, cfg.data.image_shape)
     if cfg.get("channels_last"):
         use_channels_last(model, weights=traits.channels_last_weights)
+    if cfg.get("compile"):  # in place: parameter names and checkpoints stay the plain module's
+        model.compile(**cfg.get("compile_options") or {})
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
     callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
     loggers = [lg for lg in map(build, cfg.logger.values()) if lg is not None]  # some only on rank 0
@@ -87,9 +86,11 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
 
 
 def start_process(cfg: DictConfig) -> None:
-    _silence_known_noise()
     _log_through_root()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if device_type(cfg) == "cuda":  # TF32 matmuls and convolutions; on CPU "high" could let oneDNN use bf16 arithmetic
+        torch.set_float32_matmul_precision("high" if cfg.get("tf32", True) else "highest")
+        torch.backends.cudnn.allow_tf32 = bool(cfg.get("tf32", True))
 
 
 def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list) -> L.Trainer:
@@ -114,12 +115,6 @@ def end_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-KNOWN_NOISE = (
-    # Lightning 2.6 calls a pytree API that torch 2.14 deprecates.
-    "`isinstance(treespec",  # (a prefix: PYTHONWARNINGS entries cannot hold commas)
-)
-
-
 def _log_through_root() -> None:
     """Lightning's loggers bring console handlers of their own: where the root has handlers (Hydra's, the worker's),
     only the root's print, so each line is printed once and also logged to file."""
@@ -127,15 +122,6 @@ def _log_through_root() -> None:
         for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).handlers.clear()
             logging.getLogger(name).propagate = True
-
-
-def _silence_known_noise() -> None:
-    """Hide warnings a user can do nothing about, here and in processes started later (spawn, workers)."""
-    for message in KNOWN_NOISE:
-        warnings.filterwarnings("ignore", message=re.escape(message))
-    inherited = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
-    ours = [f"ignore:{message}" for message in KNOWN_NOISE]
-    os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys(inherited + ours))
 
 
 def build(node, **kwargs):

@@ -1,1 +1,1 @@
-"""Lightning callbacks, one per file: NaN stop, preemption, state bytes, compile, progress."""
+"""Lightning callbacks, one per file: NaN stop, preemption, progress, weight averaging, ..."""
