@@ -3,12 +3,14 @@
 import json
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -18,6 +20,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write `array` (uint8 values) as an MNIST IDX file."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    Path(path).write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def write_fake_mnist(data_dir: Path, train_size: int = 60_000, test_size: int = 10_000, seed: int = 0) -> Path:
+    """MNIST-shaped random images and labels in torchvision's layout under `data_dir`/MNIST/raw: MNIST offline."""
+    raw = Path(data_dir) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for prefix, n in (("train", train_size), ("t10k", test_size)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
+    return Path(data_dir)
 
 
 def train_command(*overrides: str) -> list[str]:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader
 
-from benchmarks.common import RESULTS, markdown_table
+from benchmarks.common import RESULTS, markdown_table, write_fake_mnist
 from starter.data.imagenet import ImageFolderDataModule
-from starter.data.mnist import MNISTDataModule, write_fake_mnist
+from starter.data.mnist import MNISTDataModule
 
 
 def epoch_seconds(loader) -> float:

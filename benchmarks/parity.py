@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import RESULTS, StepTimer, compose_config, markdown_table
-from starter.data.mnist import MEAN, STD, MNISTDataModule, write_fake_mnist
+from benchmarks.common import RESULTS, StepTimer, compose_config, markdown_table, write_fake_mnist
+from starter.data.mnist import MEAN, STD, MNISTDataModule
 from starter.models.nets.mlp import MLP
 
 

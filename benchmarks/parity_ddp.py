@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from benchmarks.common import RESULTS, free_port, markdown_table, timed_training
-from starter.data.mnist import MEAN, STD, MNISTDataModule, write_fake_mnist
+from benchmarks.common import RESULTS, free_port, markdown_table, timed_training, write_fake_mnist
+from starter.data.mnist import MEAN, STD, MNISTDataModule
 from starter.models.nets.mlp import MLP
 
 

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from starter.data.mnist import write_idx
 from starter.launch.run_name import run_name
 
 if not OmegaConf.has_resolver("run_name"):
@@ -414,6 +413,12 @@ def plant(checkpoint_file: Path) -> None:
     checkpoint = torch.load(checkpoint_file, weights_only=False)
     checkpoint["planted"] = Planted()
     torch.save(checkpoint, checkpoint_file)
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """`array` (uint8 values) as an MNIST IDX file, as torchvision reads it."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 an end without the interpreter's teardown."""
 
 import atexit
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -23,32 +24,24 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-_exit_code = 0
-
-
 def end_without_teardown(main: Callable[[], object]) -> None:
     """Runs `main`; the process then ends as usual (threads joined, exit hooks run) but without freeing every module:
     1.5-2.5 s of native destructors where Lightning is imported. Registered before the run's own exit hooks, so it
     runs after them (last registered, first run)."""
-    global _exit_code
-    atexit.register(_end)
+    code = [0]
+    atexit.register(lambda: _end(code[0]))
     try:
         main()
     except SystemExit as stop:
-        _exit_code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
         raise
-    except KeyboardInterrupt:
-        _exit_code = 130
-        raise
-    except BaseException:
-        _exit_code = 1
+    except BaseException as err:
+        code[0] = 130 if isinstance(err, KeyboardInterrupt) else 1
         raise
 
 
-def _end() -> None:
-    import logging
-
+def _end(code: int) -> None:
     logging.shutdown()  # its own hook was registered earlier (on import), so would run after this one
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(_exit_code)
+    os._exit(code)

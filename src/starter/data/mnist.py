@@ -1,10 +1,8 @@
 """MNIST in memory as uint8 tensors (55 MB), fetched a batch at a time (no per-item PIL conversion), normalised on the
 device. torchvision reads <data_dir>/MNIST/raw, downloading there when `download` is on and the network allows."""
 
-import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from starter.data.base import ShardedDataModule
@@ -51,20 +49,3 @@ class MNISTDataModule(ShardedDataModule):
                 f"MNIST not found in {raw} and {how}; put {', '.join(RAW_FILES)} there (the .gz files"
                 f" also do, with data.download=true), or set paths.data_dir to the directory holding MNIST/raw"
             ) from err
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """Write `array` (uint8 values) as an MNIST IDX file: for tests and benchmarks that need MNIST offline."""
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    Path(path).write_bytes(header + array.astype(np.uint8).tobytes())
-
-
-def write_fake_mnist(data_dir: Path, train_size: int = 60_000, test_size: int = 10_000, seed: int = 0) -> Path:
-    """MNIST-shaped random images and labels in torchvision's layout under `data_dir`/MNIST/raw."""
-    raw = Path(data_dir) / "MNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for prefix, n in (("train", train_size), ("t10k", test_size)):
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
-    return Path(data_dir)

@@ -85,7 +85,7 @@ def launch_workers(
     # by node 0's job at MASTER_PORT (join_nodes). A port the user chose on one node: rank 0 serves it there.
     if not os.environ.get("MASTER_PORT") or node_store() is not None:
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
-    if found := _reported(node_store()):  # another node failed before this one launched: said here too
+    if found := failure(node_store()):  # another node failed before this one launched: said here too
         raise WorkerFailed(found[1], found[0], reported=True)
     procs: list[BaseProcess] = []
     received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
@@ -188,7 +188,7 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
     store, polls, node = node_store(), 0, first_rank // per_node
 
     def reported_elsewhere() -> WorkerFailed | None:  # another node's failure is said here too
-        if found := _reported(store):
+        if found := failure(store):
             return WorkerFailed(found[1] if found[2] != node else None, found[0], reported=True)
         return None
 
@@ -219,15 +219,6 @@ def name_process(name: str) -> None:
         Path("/proc/self/comm").write_text(name[:15])
     except OSError:
         pass
-
-
-def _reported(store) -> tuple[int, str] | None:
-    if store is None:
-        return None
-    try:
-        return failure(store)
-    except Exception:  # node 0's job, which serves the store, has ended: this node's watchdogs tell why
-        return None
 
 
 def _stop(procs: list[BaseProcess], grace_s: float) -> None:

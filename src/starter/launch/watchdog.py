@@ -67,11 +67,15 @@ def report(store, code: int, line: str, node: int = 0) -> bool:
 
 
 def failure(store) -> tuple[int, str, int] | None:
-    """(code, line, node) that a process reported, or None."""
+    """(code, line, node) that a process reported; None where none did, or the store is None or gone (its holder has
+    ended: the watchdogs say why)."""
     key = f"{key_prefix()}/failed"
-    if not store.check([key]):
+    try:
+        if store is None or not store.check([key]):
+            return None
+        code, node, line = store.get(key).decode().split("|", 2)
+    except Exception:
         return None
-    code, node, line = store.get(key).decode().split("|", 2)
     return int(code), line, int(node)
 
 
