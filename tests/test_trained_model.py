@@ -72,7 +72,7 @@ def export(tmp_path, path, fmt: str):
 
     out = tmp_path / fmt
     out.mkdir()
-    cfg = OmegaConf.create({"ckpt_path": str(path), "format": fmt, "tolerance": 1e-4, "seed": 0,
+    cfg = OmegaConf.create({"ckpt_path": str(path), "format": fmt, "tolerance": 1e-4, "seed": 0, "accelerator": "cpu",
                             "paths": {"output_dir": str(out)}})  # fmt: skip
     export(cfg)
     return next(out.glob("model.*"))

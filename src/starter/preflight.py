@@ -2,7 +2,9 @@
 place, computes the layout, and checks the run against what the strategy declares (its traits). Anything a user can get
 wrong fails here, in one line."""
 
+import importlib.util
 import logging
+import signal
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
@@ -27,7 +29,12 @@ def prepare(cfg: DictConfig) -> Layout:
     _check_capabilities(cfg, traits, layout)
     if pipelined(cfg.strategy, layout):
         check_pipeline(cfg, layout)
-    _check_logger_packages(cfg)
+    extras = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}
+    modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
+    for name in cfg.get("logger") or {}:
+        if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
+            raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
+                            f" (or pip install {name})")  # fmt: skip
     if cfg.get("init_from") and not Path(cfg.init_from).is_file():
         raise UserError(f"init_from={cfg.init_from}: no such file")
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
@@ -47,7 +54,9 @@ def settle(cfg: DictConfig, global_batch: int) -> Layout:
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
-    _check_stop_signals(cfg)
+    if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
+        raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
+                        " SIGUSR1, SIGUSR2")  # fmt: skip
     for key in ("heartbeat_timeout_s", "stall_timeout_s"):
         if not float(cfg[key]) > 0:
             raise UserError(f"{key}={cfg[key]}: give seconds above 0")
@@ -78,16 +87,13 @@ def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
         log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
     elif isinstance(devices, (list, tuple, ListConfig)):
         if not on_gpu:
-            raise UserError(
-                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
-            )
+            raise UserError(f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g."
+                            f" devices={len(devices)}")  # fmt: skip
         if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
             raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
     elif on_gpu and device_count(devices) > gpus:
-        raise UserError(
-            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
-            f" (or accelerator=cpu for {devices} CPU processes)"
-        )
+        raise UserError(f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
+                        f" (or accelerator=cpu for {devices} CPU processes)")  # fmt: skip
 
 
 def _settle_num_classes(cfg: DictConfig) -> None:
@@ -96,10 +102,9 @@ def _settle_num_classes(cfg: DictConfig) -> None:
         return
     train = Path(cfg.data.root) / "train"
     if not train.is_dir():
-        raise UserError(
-            f"no directory {train}: data.num_classes is read from its class folders; point data.root at"
-            " a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give data.num_classes"
-        )
+        raise UserError(f"no directory {train}: data.num_classes is read from its class folders; point data.root"
+                        " at a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give"
+                        " data.num_classes")  # fmt: skip
     cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
 
 
@@ -134,10 +139,9 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
                         " gradient clipping off")  # fmt: skip
     averaging = (cfg.get("callbacks") or {}).get("weight_averaging") or {}
     if averaging.get("decay") is not None and not traits.whole_weights:
-        raise UserError(
-            f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each process;"
-            f" strategy={name} shards them. Use strategy=ddp, or callbacks.weight_averaging.decay=null"
-        )
+        raise UserError(f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each"
+                        f" process; strategy={name} shards them. Use strategy=ddp, or"
+                        " callbacks.weight_averaging.decay=null")  # fmt: skip
     if cfg.get("sync_batchnorm") and layout.world > 1:
         if not traits.syncs_batchnorm:
             raise UserError(f"sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy={name}")
@@ -147,22 +151,3 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
     if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
         raise UserError(f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
                         " CPU already; leave it false")  # fmt: skip
-
-
-def _check_stop_signals(cfg: DictConfig) -> None:
-    import signal
-
-    if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
-        raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
-                        " SIGUSR1, SIGUSR2")  # fmt: skip
-
-
-def _check_logger_packages(cfg: DictConfig) -> None:
-    import importlib.util
-
-    extras = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}
-    modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
-    for name in cfg.get("logger") or {}:
-        if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
-            raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
-                            f" (or pip install {name})")  # fmt: skip

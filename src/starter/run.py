@@ -7,6 +7,7 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,17 +95,14 @@ def start_process(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list) -> L.Trainer:
-    """The trainer of `cfg.trainer`, with the strategy, precision and cluster environment of the run."""
-    return build(
-        cfg.trainer,
-        enable_model_summary=False,  # the run logs one of its own (loggers/report.py): the net's rows, its FLOPs
-        strategy=build_strategy(cfg.strategy, layout),
-        callbacks=callbacks,
-        logger=loggers or False,
-        plugins=[build(p) for p in cfg.trainer.get("plugins") or []]
-        + [precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights)]
-        + cluster_environment(layout),
-    )
+    """The trainer of `cfg.trainer`, with the strategy and precision of the run, its ranks read from torchrun's or
+    SLURM's variables where they started every rank, else ours (also inside a SLURM job of fewer tasks, whose
+    SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py)."""
+    plugins = [build(p) for p in cfg.trainer.get("plugins") or []]
+    plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
+    plugins += [] if external_launcher(layout.world) else [LightningEnvironment()]
+    return build(cfg.trainer, enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
+                 callbacks=callbacks, logger=loggers or False, plugins=plugins)  # fmt: skip
 
 
 def end_process_group() -> None:
@@ -132,16 +130,6 @@ def build(node, **kwargs):
         if isinstance(err.__cause__, UserError):
             raise err.__cause__ from None
         raise
-
-
-def cluster_environment(layout: Layout) -> list:
-    """Where this process's rank comes from: torchrun's or SLURM's variables when they started every rank, else ours
-    (also inside a SLURM job of fewer tasks, whose SLURM_PROCID would make every worker rank 0)."""
-    if external_launcher(layout.world):
-        return []
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    return [LightningEnvironment()]
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:

@@ -15,8 +15,6 @@ log = logging.getLogger(__name__)
 
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
-    if not path.is_file():
-        raise UserError(f"init_from={path}: no such file")
     with refusing_pickled_code(path):
         saved = torch.load(path, map_location="cpu", weights_only=True)
     state = saved.get("state_dict", saved) if isinstance(saved, dict) else {}

@@ -57,9 +57,8 @@ def sharding_strategy(checkpoint: Path) -> str:
 def check_sharded_writer(path: Path, strategy: str) -> None:
     """A sharded checkpoint is read by the strategy that wrote it."""
     if path.is_dir() and strategy != (writer := sharding_strategy(path)):
-        raise UserError(
-            f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with strategy={writer}"
-        )
+        raise UserError(f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with"
+                        f" strategy={writer}")  # fmt: skip
 
 
 def check_checkpoint_fits(model, path: Path) -> None:
@@ -96,7 +95,6 @@ def refusing_pickled_code(path):
     try:
         yield
     except pickle.UnpicklingError as err:
-        raise UserError(
-            f"ckpt_path={path} holds pickled objects besides tensors ({str(err).splitlines()[0][:120]}...);"
-            " refused: loading it could run code. Load only checkpoints written by this starter"
-        ) from None
+        first = str(err).splitlines()[0][:120]
+        raise UserError(f"ckpt_path={path} holds pickled objects besides tensors ({first}...); refused: loading it"
+                        " could run code. Load only checkpoints written by this starter") from None  # fmt: skip

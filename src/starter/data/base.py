@@ -132,10 +132,9 @@ class ShardedDataModule(L.LightningDataModule):
 
     def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
         if tuple(shape) != self.image_shape or num_classes != self.num_classes:
-            raise UserError(
-                f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says"
-                f" data.image_shape={list(self.image_shape)} data.num_classes={self.num_classes}"
-            )
+            config = f"data.image_shape={list(self.image_shape)} data.num_classes={self.num_classes}"
+            raise UserError(f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says"
+                            f" {config}")  # fmt: skip
 
 
 def batch_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):

@@ -37,20 +37,10 @@ def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int,
 
 
 class ImageFolderDataModule(ShardedDataModule):
-    def __init__(
-        self,
-        root: str,
-        batch_size: int = 256,
-        num_workers: int = 8,
-        seed: int = 42,
-        skip_unreadable: bool = False,
-        train_crop_size: int | None = None,  # null: image_shape's
-        val_resize_size: int | None = None,  # null: 256/224 of val_crop_size
-        val_crop_size: int | None = None,  # null: image_shape's
-        auto_augment: str | None = None,
-        random_erase: float = 0.0,
-        **kwargs,
-    ):
+    def __init__(self, root: str, batch_size: int = 256, num_workers: int = 8, seed: int = 42,
+                 skip_unreadable: bool = False, train_crop_size: int | None = None, val_resize_size: int | None = None,
+                 val_crop_size: int | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
+                 **kwargs):  # fmt: skip
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
         self.root = Path(root)
         self.train_crop_size = int(train_crop_size or self.image_shape[-1])
@@ -80,39 +70,23 @@ class ImageFolderDataModule(ShardedDataModule):
         if train.classes != val.classes:
             only_train = sorted(set(train.classes) - set(val.classes))
             only_val = sorted(set(val.classes) - set(train.classes))
-            raise UserError(
-                f"class folders of {self.root}/train and {self.root}/val differ: only in train {only_train},"
-                f" only in val {only_val}; every class needs a folder in both"
-            )
+            raise UserError(f"class folders of {self.root}/train and {self.root}/val differ: only in train"
+                            f" {only_train}, only in val {only_val}; every class needs a folder in both")  # fmt: skip
         if len(train.classes) != self.num_classes:
-            raise UserError(
-                f"{self.root}/train has {len(train.classes)} class folders but data.num_classes={self.num_classes};"
-                f" set data.num_classes={len(train.classes)}"
-            )
+            raise UserError(f"{self.root}/train has {len(train.classes)} class folders but data.num_classes="
+                            f"{self.num_classes}; set data.num_classes={len(train.classes)}")  # fmt: skip
         self.train_set, self.val_set, self.test_set = train, val, val
         self.classes = train.classes
 
     def _folder(self, split: str, train: bool):
         directory = self.root / split
         if not directory.is_dir():
-            raise UserError(
-                f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
-                f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree"
-            )
-        channels = self.image_shape[0]
+            raise UserError(f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
+                            f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree")  # fmt: skip
+        transform = imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
+                                        self.auto_augment, self.random_erase)  # fmt: skip
+        loader = partial(load_image, mode="RGB" if self.image_shape[0] == 3 else "L")
         try:
-            return ImageFiles(
-                directory,
-                transform=imagenet_transforms(
-                    train,
-                    self.train_crop_size,
-                    self.val_resize_size,
-                    self.val_crop_size,
-                    self.auto_augment,
-                    self.random_erase,
-                ),
-                loader=partial(load_image, mode="RGB" if channels == 3 else "L"),
-                skip_unreadable=self.skip_unreadable,
-            )
+            return ImageFiles(directory, transform, loader, self.skip_unreadable)
         except FileNotFoundError as err:  # a class folder without images, or no class folders at all
             raise UserError(f"{directory}: {err}") from err

@@ -35,10 +35,9 @@ def check_pipeline(cfg: DictConfig, layout: Layout) -> None:
                         f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
     batch = layout.batch_per_process(int(cfg.data.batch_size))
     if batch % micro:
-        raise UserError(
-            f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step, which"
-            f" strategy.microbatches={micro} does not divide; give each pipeline a multiple of {micro}"
-        )
+        raise UserError(f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
+                        f" which strategy.microbatches={micro} does not divide; give each pipeline a"
+                        f" multiple of {micro}")  # fmt: skip
     if schedule == "1f1b" and micro < stages:
         raise UserError(f"strategy.microbatches={micro} is fewer than the {stages} stages of the pipeline, which 1f1b"
                         f" needs at least; use strategy.microbatches={stages} or more")  # fmt: skip
