@@ -1,8 +1,6 @@
-"""`python predict.py ckpt_path=... inputs=...`: a trained model's answers for image files, in predictions.csv.
-
-The weights carry what inference needs, so neither the training data nor its config is needed: a checkpoint of any
-strategy, a model.pt, a run directory (what its test evaluated) or `last`. One process, or one per device with
-`strategy=ddp`: each file predicted once, rows in the inputs' order.
+"""`python predict.py ckpt_path=... inputs=...`: a trained model's answers for image files, in predictions.csv. The
+weights carry what inference needs (no training data or config): a checkpoint of any strategy, a model.pt, a run
+directory or `last`. One process, or one per device with `strategy=ddp`: each file once, rows in the inputs' order.
 """
 
 import csv

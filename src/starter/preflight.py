@@ -14,7 +14,7 @@ from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
-from starter.topology import Layout, Traits, device_count, device_type, why_not
+from starter.topology import Layout, Traits, device_count, device_type, per_process_batch, why_not
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def settle(cfg: DictConfig, global_batch: int) -> Layout:
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
-    layout.batch_per_process(global_batch)
+    per_process_batch(global_batch, layout.data_parallel)
     if launched_by(layout.world, traits.multi_process) == "ours":
         check_rendezvous(layout.nodes)
     return layout

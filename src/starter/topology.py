@@ -1,12 +1,9 @@
-"""What a run's strategy can do and how its processes are laid out, decided once, before anything heavy is imported.
+"""Decided once, before anything heavy is imported: what a run's strategy can do, and how its processes are laid out.
 
-`Traits`: what a strategy can do, declared in its config (`traits:` in conf/strategy/<name>.yaml), so no other file
-names a strategy. A capability is True, or False or a string saying why not (refused in one line).
-
-`Layout`: how many processes, on how many nodes, and their data, tensor and pipeline parallel sizes (torchtitan's
-ParallelDims), computed once and handed to whatever needs a size. `tensor_parallel_size` and `pipeline_parallel_size`
-come from the strategy's config (absent: 1; null: every process); data parallel is what is left, and the global batch is
-shared over it only.
+`Traits`: declared in the strategy's config (`traits:` in conf/strategy/<name>.yaml), so no other file names a strategy;
+a capability is True, or False or a string saying why not. `Layout` (torchtitan's ParallelDims): nodes, processes per
+node, tensor and pipeline parallel sizes (absent: 1; null: every process); data parallel is what is left, and the
+global batch is shared over it only.
 """
 
 import os
@@ -69,9 +66,6 @@ class Layout:
     def data_parallel(self) -> int:
         """Processes that load different batches."""
         return self.world // (self.tensor_parallel * self.pipeline_parallel)
-
-    def batch_per_process(self, global_batch: int) -> int:
-        return per_process_batch(global_batch, self.data_parallel)
 
     @classmethod
     def of(cls, cfg: DictConfig) -> "Layout":

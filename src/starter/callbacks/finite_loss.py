@@ -1,8 +1,6 @@
-"""Stops training at the first NaN or infinite loss, naming the step, without a host sync per step.
-
-Each step only records on the device whether its loss is finite and the first step that was not. The record is read
-where the run synchronises anyway: after logging steps, before any checkpoint is written (none holds weights a bad loss
-reached) and at the end of training. Training stops at most `trainer.log_every_n_steps` steps after the bad one.
+"""Stops training at the first NaN or infinite loss, naming the step, without a host sync per step: each step records
+on the device whether its loss is finite; the record is read where the run synchronises anyway (after logging steps,
+before a checkpoint is written, so none holds weights a bad loss reached, and at the end of training).
 """
 
 import lightning as L

@@ -1,10 +1,7 @@
-"""`callbacks.freeze_backbone.epochs=N`: fine-tuning trains only the net's head for the first N epochs, then all of
-it.
-
-Lightning's BackboneFinetuning takes the backbone out of the optimizer, which no strategy that wraps or shards at setup
-follows (DDP would never average the unfrozen gradients; FSDP and tp hold shards). Here every parameter stays in the
-optimizer and the backbone's gradients are dropped before each step of the frozen epochs: its weights and optimizer
-state do not move, in every mode (the backward still computes them)."""
+"""`callbacks.freeze_backbone.epochs=N`: fine-tuning trains only the net's head for the first N epochs. Lightning's
+BackboneFinetuning takes the backbone out of the optimizer, which no strategy that wraps or shards at setup follows;
+here its gradients are dropped before each step of those epochs, so its weights and optimizer state stay, in every mode.
+"""
 
 import lightning as L
 

@@ -1,11 +1,8 @@
-"""A stop signal (`stop_signals`: SIGTERM, a scheduler's preemption; SIGUSR1/2, a time limit near) ends training on
-every rank at the same step, with checkpoints/last.ckpt saved where Lightning saves mid-epoch (a resume continues with
-the next batch); the run exits 143 (errors.PREEMPTED_EXIT_CODE).
-
-The handler only records the request; after a step the ranks agree through one collective whether any got one. One
-process checks every step; several only at logging steps, so other steps make no collective (a stop waits at most
-`trainer.log_every_n_steps` steps), and only between optimizer steps. It replaces Lightning's handler, which runs a
-collective inside the signal handler and can deadlock when ranks are signalled at different points of a step.
+"""A stop signal (`stop_signals`) ends training on every rank at the same step, with checkpoints/last.ckpt saved where a
+resume continues with the next batch; the run exits 143. The handler only records the request; the ranks agree after a
+step through one collective (several processes: only at logging steps, between optimizer steps). It replaces
+Lightning's handler, which runs a collective inside the signal handler and can deadlock when ranks are signalled at
+different points of a step.
 """
 
 import signal

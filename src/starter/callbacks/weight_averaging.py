@@ -1,11 +1,9 @@
-"""An exponential moving average of the weights (`callbacks.weight_averaging.decay`), torchvision's `--model-ema`.
-
-Lightning's EMAWeightAveraging, which validates with the average, saves it as the checkpoint's `state_dict` and copies
-it into the model when training ends (model.pt holds it), with two changes: - Evaluating a checkpoint (the test after
-fit included) uses its averaged weights; Lightning's callback would load the raw ones, and the run would test weights
-that neither best.ckpt nor model.pt holds. - The update is one multi-tensor lerp with the count kept on the host
-(torch's AveragedModel syncs the host twice per step). As in torchvision, the average restarts from the weights during
-the lr warm-up epochs.
+"""An exponential moving average of the weights (`callbacks.weight_averaging.decay`), torchvision's `--model-ema`:
+Lightning's EMAWeightAveraging (validation with the average, saved as the checkpoint's `state_dict`, copied into the
+model at the end) with two changes. A checkpoint is evaluated on its averaged weights (Lightning's loads the raw ones:
+the test after fit would evaluate weights neither best.ckpt nor model.pt holds), and the update is one multi-tensor lerp
+with the count on the host (torch's AveragedModel syncs the host twice a step). As in torchvision, the average restarts
+from the weights during the warm-up epochs.
 """
 
 import torch
@@ -56,11 +54,9 @@ class AveragedWeights(EMAWeightAveraging):
         def lists(chosen) -> tuple[list, list]:
             return [a.detach() for a, _ in chosen], [c.detach() for _, c in chosen]
 
-        return {
-            "all": lists(pairs),
-            "floating": lists([(a, c) for a, c in pairs if a.is_floating_point()]),
-            "integer": lists([(a, c) for a, c in pairs if not a.is_floating_point()]),
-        }
+        floating = [(a, c) for a, c in pairs if a.is_floating_point()]
+        integer = [(a, c) for a, c in pairs if not a.is_floating_point()]
+        return {"all": lists(pairs), "floating": lists(floating), "integer": lists(integer)}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # a resume: the raw weights train on, the average goes on

@@ -48,15 +48,12 @@ def saved_config(checkpoint: Path) -> DictConfig | None:
     return None
 
 
-def sharding_strategy(checkpoint: Path) -> str:
-    """The strategy that wrote a sharded checkpoint directory: its run's config says."""
-    saved = saved_config(checkpoint)
-    return str(saved.strategy.name) if saved is not None else "fsdp"
-
-
 def check_sharded_writer(path: Path, strategy: str) -> None:
-    """A sharded checkpoint is read by the strategy that wrote it."""
-    if path.is_dir() and strategy != (writer := sharding_strategy(path)):
+    """A sharded checkpoint is read by the strategy that wrote it (its run's config says which)."""
+    if not path.is_dir():
+        return
+    saved = saved_config(path)
+    if strategy != (writer := str(saved.strategy.name) if saved is not None else "fsdp"):
         raise UserError(f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with"
                         f" strategy={writer}")  # fmt: skip
 

@@ -1,14 +1,8 @@
-"""What every DataModule here shares: the global batch size, and sharding that is the same for any world size.
-
-`batch_size` is global: each of N data-parallel processes loads batch_size / N. Training draws one seeded permutation
-per epoch (DistributedSampler, also for one process) and rank r takes every N-th index, so the union of the ranks'
-batches at step k is the single-process batch k: `devices` does not change the optimisation. Evaluation shards without
-padding (UnrepeatedDistributedSampler), so torchmetrics syncs exact totals. A run stopped mid-epoch resumes at the next
-batch of the same permutation (resumable.py). Loader workers come from a fork server that imported the data set's module
-once (launch/fork_server.py).
-
-Images travel as uint8 (a quarter of float32's bytes through the loader and to the GPU) and are normalised on the
-compute device: `(x / value_range - mean) / std`, per channel.
+"""What every DataModule here shares: a global batch size, and sharding that is the same for any world size. One seeded
+permutation per epoch of which data-parallel rank r takes every N-th index, so the ranks' batches at step k make up the
+single-process batch k; evaluation unpadded, so metrics sync exact totals; mid-epoch resume (resumable.py). Images
+travel as uint8 (a quarter of float32's bytes) and are normalised on the compute device: `(x / value_range - mean) /
+std`, per channel.
 """
 
 from functools import partial
@@ -64,13 +58,11 @@ class ShardedDataModule(L.LightningDataModule):
         if len(dataset) < world:
             raise UserError(f"the {split} split has {len(dataset)} samples, fewer than the {world} processes")
         batch_size = per_process_batch(self.batch_size, world)
-        options = dict(
-            collate_fn=getattr(dataset, "collate_fn", None),  # a data set may batch itself (TensorPairs)
-            num_workers=self.num_workers,
-            # pinned host memory: a copy from pageable memory would wait for the GPU's queued work every step
-            pin_memory=self.pin_memory and self._feeds_cuda(),
-            persistent_workers=self.persistent_workers,
-        )
+        # collate_fn: a data set may batch itself (TensorPairs). Pinned host memory: a copy from pageable memory would
+        # wait for the GPU's queued work every step.
+        options = dict(collate_fn=getattr(dataset, "collate_fn", None), num_workers=self.num_workers,
+                       pin_memory=self.pin_memory and self._feeds_cuda(),
+                       persistent_workers=self.persistent_workers)  # fmt: skip
         if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
             # process's fork server, never from this threaded process; it imports what the workers unpickle
             from starter.launch.fork_server import fork_server

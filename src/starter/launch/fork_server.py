@@ -1,12 +1,8 @@
-"""Where the processes a process starts come from: one fork server per process, never a fork of the process itself.
-
-A fork would copy the threads' state at an arbitrary instant (gloo's, the store's, the watchdog's, an allocator's), and
-a lock one held would stay held in the child. Python's forkserver is a fresh single-threaded interpreter that imported
-`preload` once: our launcher's workers and the data loaders' workers start from it as fast as a fork (without the
-preload, each imports torch: 1.7 s per loader iterator).
-
+"""Where the processes a process starts come from: one fork server per process, never a fork of the process itself (a
+fork copies the threads' state at an arbitrary instant: a lock one held stays held in the child). Python's forkserver
+imported `preload` once, so workers start as fast as a fork (without it, each loader iterator imports torch: 1.7 s).
 A server starts once, with its first caller's preload, and ignores the scheduler's signals (one ended could not report
-its children's exits). Our launcher's workers restore the defaults; loader workers end with their loaders.
+its children's exits); our launcher's workers restore them, loader workers end with their loaders.
 """
 
 import multiprocessing

@@ -1,16 +1,10 @@
 """Starts one worker process per device for strategies whose traits name a launcher (ddp, ddp_spawn, fsdp, tp, pp).
 
-Lightning's own launcher re-runs `sys.argv` in every child: under Hydra that re-composes the config, makes a second
-run directory and, in a multirun, re-launches the sweep. Here the Hydra job only launches: each worker runs
-`launch.worker.main(<run_dir>/config.yaml)` with the torchrun environment set, so every rank trains the same resolved
-job into the same directory. One worker failing stops the others; each runs a watchdog (launch/watchdog.py).
-
-Workers are forked from one fork server that imported torch and Lightning once (launch/fork_server.py): N workers
-cost one import, and a sweep's next jobs start at once. ddp_spawn's are spawned: fresh interpreters.
-
-On one machine (no MASTER_PORT) rank 0 serves the rendezvous store on a port the OS picks and holds it for the whole
-run, so two runs started at once cannot race for a port; it sends this process the port through a pipe. On several
-nodes node 0's job serves the store at MASTER_PORT (`join_nodes`).
+Lightning's own launcher re-runs `sys.argv` in every child, which under Hydra re-composes the config, makes a second
+run directory and re-launches a sweep: here the Hydra job only launches, and every worker runs its resolved config.
+Workers fork from one fork server that imported torch and Lightning once (ddp_spawn's are spawned). On one machine
+rank 0 serves the rendezvous store on a port the OS picks and holds it, so runs started at once cannot race for a port;
+on several nodes node 0's job serves it at MASTER_PORT (`join_nodes`). Details: docs/modes.md, "How ddp is launched".
 """
 
 import multiprocessing
@@ -56,30 +50,18 @@ def node_store():
     return _node_store
 
 
-def launch_workers(
-    entry: Callable,
-    job: str,
-    preload: tuple[str, ...],
-    config_path: Path,
-    layout: Layout,
-    start_method: str = "forkserver",
-    stop_signals=("SIGTERM",),
-    grace_s: float = 10.0,
-    linger_s: float = 0.0,
-) -> None:
+def launch_workers(entry: Callable, job: str, preload: tuple[str, ...], config_path: Path, layout: Layout,
+                   start_method: str = "forkserver", stop_signals=("SIGTERM",), grace_s: float = 10.0,
+                   linger_s: float = 0.0) -> None:  # fmt: skip
     """Runs `entry(env, config_path, port_to, job)` in one process per device of this node."""
     devices = layout.processes_per_node
     node_rank = int(os.environ.get("NODE_RANK", 0))
-    env = dict(
-        os.environ,
-        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        NODE_RANK=str(node_rank),
-        WORLD_SIZE=str(layout.world),
-        LOCAL_WORLD_SIZE=str(devices),
-        STARTER_LAUNCHER_PID=str(os.getpid()),  # each worker watches this process (launch/watchdog.py)
-        # as torchrun: the cores shared out, not every worker running a thread per core of the machine
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices))),
-    )
+    # STARTER_LAUNCHER_PID: each worker watches this process (launch/watchdog.py). OMP_NUM_THREADS as torchrun's:
+    # the cores shared out, not every worker running a thread per core of the machine.
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // devices)))
+    env = dict(os.environ, MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), NODE_RANK=str(node_rank),
+               WORLD_SIZE=str(layout.world), LOCAL_WORLD_SIZE=str(devices), STARTER_LAUNCHER_PID=str(os.getpid()),
+               OMP_NUM_THREADS=threads)  # fmt: skip
     ranks = [dict(env, LOCAL_RANK=str(i), RANK=str(node_rank * devices + i)) for i in range(devices)]
     # The store, served apart from init_process_group: on one node by rank 0 on a port the OS picks; on several
     # by node 0's job at MASTER_PORT (join_nodes). A port the user chose on one node: rank 0 serves it there.

@@ -1,16 +1,12 @@
 """Every process of a several-process run ends, within a bound, when one of them fails, dies or stops answering.
 
-Each process runs a `Watchdog`: a daemon thread, a client of the run's store, that every few seconds adds 1 to its
-rank's heartbeat counter and reads `failed` (written by the first process that met an error, which printed the cause:
-the others leave with its code, silently). Rank 0 watches every rank's counter, the others rank 0's: one that has not
-moved for `timeout_s` is a lost rank, named in `failed`. A second thread ends the process when the store has not
-answered for `timeout_s` (a stopped server never fails a request). Each beat also carries how far the main thread has
-got, so rank 0 ends a run whose ranks all answer while their main threads wait forever (stall.py).
-
-A stopped rank (SIGSTOP) cannot act on a SIGTERM (torchrun's agent sends SIGKILL 30 s later, srun never): where no
-launcher of ours starts the ranks, the watchdog that names it SIGKILLs it if it runs on its host. A worker of our
-launcher watches the launcher too: with it gone (SIGKILL, the OOM killer) the worker stops as on a stop signal, saving
-last.ckpt.
+Each process runs a `Watchdog`, a client of the run's store. Its beat adds 1 to the rank's counter and reads `failed`,
+which the first process that met an error writes (it prints the cause; the others leave with its code). Rank 0
+watches every counter, the others rank 0's; one still for `timeout_s` is a lost rank. A timer thread ends the process
+when the store has not answered for `timeout_s` (a stopped server never fails a request). The beat also carries how far
+the main thread has got, so rank 0 ends a run whose main threads wait forever (stall.py). A stopped rank (SIGSTOP)
+cannot act on SIGTERM: where no launcher of ours starts the ranks, the watchdog that names it SIGKILLs it on its host.
+A worker whose launcher is gone (SIGKILL, the OOM killer) saves last.ckpt and stops as on a stop signal.
 """
 
 import os

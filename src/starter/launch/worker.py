@@ -54,14 +54,9 @@ def main(config_path: str, port_to, job: str) -> int:
     holder = "rank 0 (node 0)" if int(cfg.num_nodes) == 1 else "node 0's train.py"
     address, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
     watchdog = Watchdog(address, port, rank, world, per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s,
-                        store_holder=holder, serves_store=store is not None, launcher_pid=_launcher_pid(),
+                        store_holder=holder, serves_store=store is not None,
+                        launcher_pid=int(os.environ["STARTER_LAUNCHER_PID"]),  # set by our launcher, which it watches
                         stop_signal=signal.Signals[(list(cfg.stop_signals) or ["SIGTERM"])[0]])  # fmt: skip
     with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code
         run(cfg)
     return 0
-
-
-def _launcher_pid() -> int | None:
-    """Our launcher's pid (launcher.py sets it), which a worker watches."""
-    pid = os.environ.get("STARTER_LAUNCHER_PID")
-    return int(pid) if pid else None

@@ -1,11 +1,8 @@
-"""A LightningModule that trains any net with cross-entropy and reports exact loss and accuracy.
-
-Evaluation metrics are torchmetrics states (sums and counts, on the device: no per-step host sync) synced once per
-epoch, so val/test figures are exact under any strategy, also when ranks hold unequal shards. Only primitive
-hyper-parameters and tensors go into checkpoints (they load with weights_only=True). Training labels are class indices,
-or soft targets with mixup/cutmix; `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are torchvision's
-recipe's knobs. The warm-up scales the configured schedule's rate around each step only, so the schedule (and its
-resume) stays the configured one.
+"""A LightningModule that trains any net with cross-entropy and reports exact loss and accuracy: evaluation metrics are
+sums and counts on the device (no host sync per step) synced once per epoch, exact under any strategy; checkpoints
+hold tensors and primitives only (weights-only loads). `label_smoothing`, `norm_weight_decay` and `lr_warmup_epochs` are
+torchvision's recipe's knobs; the warm-up scales the configured schedule's rate around each step only, so the schedule
+(and its resume) stays the configured one.
 """
 
 from collections.abc import Callable
@@ -36,16 +33,10 @@ class SampleMean(Metric):
 
 
 class Classifier(L.LightningModule):
-    def __init__(
-        self,
-        net: nn.Module,
-        num_classes: int,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
-        label_smoothing: float = 0.0,
-        norm_weight_decay: float | None = None,  # null: norm layers decay like the rest
-        lr_warmup_epochs: float = 0.0,
-    ):
+    def __init__(self, net: nn.Module, num_classes: int, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+                 label_smoothing: float = 0.0, norm_weight_decay: float | None = None,
+                 lr_warmup_epochs: float = 0.0):  # fmt: skip
         super().__init__()
         self.net = net
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
@@ -127,7 +118,8 @@ class Classifier(L.LightningModule):
         return 1.0 if step >= warm_steps else 0.01 + 0.99 * step / warm_steps
 
     def parameter_groups(self):
-        """All parameters; with norm_weight_decay, the norm layers' in a group of their own."""
+        """All parameters; with norm_weight_decay (null: they decay like the rest), the norm layers' in a group of their
+        own."""
         if self.norm_weight_decay is None:
             return self.parameters()
         norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,

@@ -27,9 +27,5 @@ def build_strategy(strategy_cfg: DictConfig, layout: Layout):
     if "_target_" not in kwargs:
         return strategy_cfg.name
     make = instantiate(kwargs, _partial_=True)  # called below: Hydra would turn a dataclass argument into config
-    return make(layout=layout) if takes_layout(get_class(kwargs["_target_"])) else make()
-
-
-def takes_layout(cls) -> bool:
-    """Whether a constructor of `cls`, its own or one it inherits, has a `layout` parameter."""
-    return any("layout" in inspect.signature(c.__init__).parameters for c in cls.__mro__ if "__init__" in vars(c))
+    constructors = [c.__init__ for c in get_class(kwargs["_target_"]).__mro__ if "__init__" in vars(c)]  # inherited too
+    return make(layout=layout) if any("layout" in inspect.signature(f).parameters for f in constructors) else make()

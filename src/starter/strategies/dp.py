@@ -1,9 +1,6 @@
-"""DataParallel (dp), which Lightning 2 removed: one process, each forward split over the visible GPUs.
-
-Only `forward` is replicated: the batch is scattered, each slice runs on a replica (in a thread) and the outputs are
-gathered on the first GPU. The step around it (loss, `self.log`, metrics) runs once on the whole batch, so it equals one
-device's, and checkpoints have no `module.` prefix. The caller's autocast dtype is passed to the replicas' threads
-(torch's default there is fp16).
+"""DataParallel (dp), which Lightning 2 removed: one process, each forward split over the visible GPUs (the batch
+scattered, replicas run in threads, outputs gathered on the first GPU). The step around it runs once on the whole
+batch, so it equals one device's, and checkpoints have no `module.` prefix.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -19,7 +16,8 @@ class _ClassForward(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
-        self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)  # copied into each replica per call
+        # the caller's autocast, copied into each replica per call: a replica's thread would default to fp16
+        self.autocast: tuple[bool, torch.dtype] = (False, torch.float32)
 
     def forward(self, *args, **kwargs):
         enabled, dtype = self.autocast

@@ -1,9 +1,6 @@
-"""Fully sharded data parallel with FSDP2 (`torch.distributed.fsdp.fully_shard`), applied from outside the model.
-
-Each rank holds 1/N of every parameter, gradient and optimizer state; a sharding unit's parameters are all-gathered for
-its forward and backward and freed after, gradients reduce-scattered. Applied in torchtitan's order: tensor parallel
-(2D), activation checkpointing, sharding units (innermost first), roots. With `pipeline_parallel_size` each pipeline
-stage is parallelized so (3D).
+"""Fully sharded data parallel with FSDP2 (`torch.distributed.fsdp.fully_shard`), applied from outside the model in
+torchtitan's order: tensor parallel (2D), activation checkpointing, sharding units (innermost first), roots; per
+pipeline stage with `pipeline_parallel_size` (3D).
 """
 
 from collections.abc import Iterable
@@ -51,12 +48,9 @@ def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_aft
     all-gathered and computed with in it, gradients reduce-scattered in fp32; BatchNorm stays in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = dict(
-        mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-        mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32) if param_dtype else MixedPrecisionPolicy(),
-    )
+    mixed = MixedPrecisionPolicy(param_dtype, torch.float32) if param_dtype else MixedPrecisionPolicy()
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed,
+                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())  # fmt: skip
     if param_dtype:  # BatchNorm keeps fp32 weights and running statistics (as FSDP1's mixed precision does): a
         # half-precision weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its
         # input left as it comes (batch norm takes half-precision input with fp32 weights)

@@ -1,15 +1,8 @@
-"""Pipeline parallel for the model-parallel strategies (torch.distributed.pipelining): the net cut into stages,
-micro-batches flowing through them, the LightningModule left as it is.
-
-The net's nn.Sequential is cut into `pipeline_parallel_size x stages_per_rank` contiguous stages of about equal
-parameter counts; stage s runs on pipeline rank s mod P. As in torchtitan, every process keeps its copy of the module
-and drops the layers it does not own, so parameter names, checkpoints and model.pt stay the plain net's. The processes
-form a (pipeline, data, tensor) mesh, tensor innermost; the strategy decides how the D pipelines' gradients meet.
-
-The schedule runs forward and backward per micro-batch with the module's `criterion`. The module's training_step runs on
-the last stages with `forward` answering the pipeline's output (at logging steps also on rank 0, with the output
-broadcast); validation and test steps run on every process, the others with an empty batch, so torchmetrics syncs exact
-totals. A smaller last evaluation batch is padded for the stages and cut back before the metrics.
+"""Pipeline parallel for the model-parallel strategies (torch.distributed.pipelining), the LightningModule left as it
+is. The net's nn.Sequential is cut into stages of about equal parameter counts; as in torchtitan each process keeps its
+copy of the module with the layers it does not own dropped, so names, checkpoints and model.pt stay the plain net's.
+A schedule runs forward and backward per micro-batch with the module's `criterion`; the module's steps run where the
+outputs are, the other processes' evaluation steps with an empty batch, so metrics sync exact totals (docs/modes.md).
 """
 
 from functools import cache
@@ -23,6 +16,7 @@ from torch import nn
 from starter.errors import UserError
 from starter.models.logging_step import is_logging_step, steps_optimizer
 from starter.strategies.pipeline_plan import PIPELINE_SCHEDULES, stages_per_process
+from starter.topology import per_process_batch
 
 
 def pipelined_net(module: nn.Module) -> nn.Sequential:
@@ -199,7 +193,7 @@ class Pipelined:
         rows = len(labels)
         if not self.batch_rows:  # the batch the stages are shaped for: this pipeline's share of the global batch
             global_batch = getattr(self.lightning_module.trainer.datamodule, "batch_size", None)
-            self.batch_rows = self.layout.batch_per_process(global_batch) if global_batch else rows
+            self.batch_rows = per_process_batch(global_batch, self.layout.data_parallel) if global_batch else rows
         padded = [images, labels]
         if rows < self.batch_rows:  # the last, smaller batch: padded for the stages, cut off again below
             padded = [torch.cat([t, t[-1:].expand(self.batch_rows - rows, *t.shape[1:])]) for t in padded]

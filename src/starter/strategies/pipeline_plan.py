@@ -4,7 +4,7 @@ the cut of the net a sharded checkpoint was saved with. Imports nothing heavy; s
 from omegaconf import DictConfig
 
 from starter.errors import UserError
-from starter.topology import Layout, Traits
+from starter.topology import Layout, Traits, per_process_batch
 
 PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -33,7 +33,7 @@ def check_pipeline(cfg: DictConfig, layout: Layout) -> None:
         fix = "strategy.stages_per_rank=2 (or more)" if per_process == 1 else "strategy.schedule=interleaved_1f1b"
         raise UserError(f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
                         f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
-    batch = layout.batch_per_process(int(cfg.data.batch_size))
+    batch = per_process_batch(int(cfg.data.batch_size), layout.data_parallel)
     if batch % micro:
         raise UserError(f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
                         f" which strategy.microbatches={micro} does not divide; give each pipeline a"

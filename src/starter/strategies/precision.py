@@ -1,13 +1,8 @@
-"""Lightning's precision plugins, made to hold for sharded, split and staged gradients as for whole ones:
-
-- Gradient clipping by the norm of the whole model's gradient: DTensor gradients (fsdp, tp, 2D) have their norm reduced
-over their mesh; a pipeline's stages add their squared norms over the pipeline group (torchtitan's way). - fp16 loss
-scaling whose overflow decision every rank shares: where ranks hold different gradients (fsdp, tp, pp), one all-reduce
-per optimizer step makes an inf on any rank skip the step and back the scale off on all of them.
-
-`precision_plugin` builds the plugin from the `precision` key, not Lightning from the string: Lightning turns 16-mixed
-on CPU into bf16-mixed and refuses it with its ModelParallelStrategy; torch 2.14 has fp16 autocast and a GradScaler on
-CPU.
+"""Lightning's precision plugins, made to hold for sharded, split and staged gradients as for whole ones: clipping by
+the norm of the whole model's gradient (DTensor norms reduced over their mesh, a pipeline's stages adding theirs, as
+torchtitan does), and fp16 loss scaling whose overflow decision every rank shares (one all-reduce per optimizer step).
+Built from the `precision` key, not by Lightning from the string: Lightning turns 16-mixed on CPU into bf16-mixed and
+refuses it with its ModelParallelStrategy, while torch 2.14 has fp16 autocast and a GradScaler on CPU.
 """
 
 from collections import defaultdict

@@ -1,10 +1,8 @@
-"""Tensor parallel (Megatron style, DTensor): one layer's weights split over the ranks of a group.
-
-The plan is read off the net's structure, never its class name: an attention block's q, k, v column-wise (each rank
-computes its share of the heads) and its proj row-wise (one all-reduce sums the partial outputs); an MLP's fc1
-column-wise and fc2 row-wise; in a Sequential of Linear layers, consecutive pairs likewise. Everything else is
-replicated: every rank of the group sees the same batch. A net may declare its own plan instead (torchtitan's way):
-`tensor_parallel_plan()` returning {submodule name: ColwiseParallel() | RowwiseParallel() | ...}.
+"""Tensor parallel (Megatron style, DTensor): one layer's weights split over the ranks of a group. The plan is read off
+the net's structure, never its class name: attention q, k, v column-wise and proj row-wise (one all-reduce sums the
+partial outputs), an MLP's fc1 and fc2 likewise, a Sequential's Linear pairs; the rest is replicated, every rank of the
+group seeing the same batch. A net may declare its own plan (torchtitan's way): `tensor_parallel_plan()` returning
+{submodule name: ColwiseParallel() | RowwiseParallel() | ...}.
 """
 
 from torch import nn
