@@ -18,19 +18,18 @@ def progress_bar(enabled: bool = True, refresh_s: float = 0.25) -> ProgressBar |
     return TimedBar(refresh_s) if sys.stdout.isatty() else EpochLines()
 
 
-def logged_training_values(trainer, values: dict[str, float]) -> None:
-    """At a logging step: the module's `train/...` values (not the epoch's figures) read into `values`, with the
-    step."""
-    if is_logging_step(trainer):
-        metrics = trainer.callback_metrics.items()
-        values.update({k: float(v) for k, v in metrics if k.startswith("train/") and k not in EPOCH_FIGURES})
-        values["step"] = trainer.global_step  # optimizer steps done, this one's included
+def logged_training_values(trainer) -> tuple[int, dict[str, float]] | None:
+    """At a logging step, (optimizer steps done, the module's `train/...` values but the epoch's figures); else None."""
+    if not is_logging_step(trainer):
+        return None
+    metrics = trainer.callback_metrics.items()
+    return trainer.global_step, {k: float(v) for k, v in metrics if k.startswith("train/") and k not in EPOCH_FIGURES}
 
 
 class TimedBar(TQDMProgressBar):
     def __init__(self, refresh_s: float = 0.25):
         super().__init__(refresh_rate=1)
-        self.refresh_s, self.last_drawn, self.training_values = refresh_s, 0.0, {}
+        self.refresh_s, self.last_drawn, self.training = refresh_s, 0.0, (0, {})
 
     def _due(self, batch_idx: int, total) -> bool:
         now = time.monotonic()
@@ -40,11 +39,10 @@ class TimedBar(TQDMProgressBar):
         return True
 
     def get_metrics(self, trainer, pl_module) -> dict:
-        training = {k: v for k, v in self.training_values.items() if k != "step"}
-        return {**training, **super().get_metrics(trainer, pl_module)}
+        return {**self.training[1], **super().get_metrics(trainer, pl_module)}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        logged_training_values(trainer, self.training_values)
+        self.training = logged_training_values(trainer) or self.training
         if self._due(batch_idx, self.train_progress_bar.total):  # one frame: the count and the figures together
             self.train_progress_bar.n = batch_idx + 1
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
@@ -64,7 +62,7 @@ class EpochLines(ProgressBar):
 
     def __init__(self):
         super().__init__()
-        self.enabled, self.started, self.training_values = True, 0.0, {}
+        self.enabled, self.started, self.training = True, 0.0, (0, {})
 
     def disable(self) -> None:
         self.enabled = False
@@ -76,7 +74,7 @@ class EpochLines(ProgressBar):
         self.started, self.first_step = time.monotonic(), trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        logged_training_values(trainer, self.training_values)
+        self.training = logged_training_values(trainer) or self.training
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not self.enabled:
@@ -84,8 +82,8 @@ class EpochLines(ProgressBar):
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         parts = [f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
                  f" {time.monotonic() - self.started:.1f} s"]  # fmt: skip
-        training = dict(self.training_values)
-        if step := training.pop("step", None):
+        step, training = self.training
+        if training:
             parts.append(f"at step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(training.items())))
         if trainer.progress_bar_metrics:
             parts.append(", ".join(f"{k} {v:.4g}" for k, v in sorted(trainer.progress_bar_metrics.items())))

@@ -11,42 +11,28 @@ def already_batched(batch):
 
 
 class TensorPairs(Dataset):
+    """Sample i: (images[i % len(images)], labels[i]); fewer images than labels are a pool the samples share."""
+
+    indices_only = False  # yield pool indices instead, for SyntheticDataModule.transfer_batch_to_device to gather
+    collate_fn = staticmethod(already_batched)
+
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int):
-        return self.images[index], self.labels[index]
+        return self.images[index % len(self.images)], self.labels[index]
 
     def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch (torch >= 2.0)
         index = torch.as_tensor(indices)
-        return self.images[index], self.labels[index]
+        slots = index % len(self.images)
+        return slots if self.indices_only else self.images[slots], self.labels[index]
 
-    collate_fn = staticmethod(already_batched)
 
-
-class RandomImages(Dataset):
-    def __init__(self, length: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 256):
-        generator = torch.Generator().manual_seed(seed)
-        self.images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
-        self.labels = torch.randint(num_classes, (length,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        return self.images[index % len(self.images)], self.labels[index]
-
-    def __getitems__(self, indices: list[int]):  # DataLoader's batched fetch
-        index = torch.as_tensor(indices)
-        if self.indices_only:
-            return index % len(self.images), self.labels[index]
-        return self.images[index % len(self.images)], self.labels[index]
-
-    indices_only = False  # yield pool indices for SyntheticDataModule.transfer_batch_to_device to gather
-
-    collate_fn = staticmethod(already_batched)
+def random_images(length: int, shape: tuple[int, ...], num_classes: int, seed: int, pool: int = 256) -> TensorPairs:
+    """`length` samples of a pool of random uint8 images, each with a random label of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
+    return TensorPairs(images, torch.randint(num_classes, (length,), generator=generator))

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 
 from starter.data.base import ShardedDataModule
-from starter.data.in_memory import RandomImages
+from starter.data.in_memory import random_images
 
 
 class SyntheticDataModule(ShardedDataModule):
@@ -20,9 +20,9 @@ class SyntheticDataModule(ShardedDataModule):
         if self.train_set is not None:
             return
         shape, classes = self.image_shape, self.num_classes
-        self.train_set = RandomImages(self.train_size, shape, classes, self.seed)
-        self.val_set = RandomImages(self.eval_size, shape, classes, self.seed + 1)
-        self.test_set = RandomImages(self.eval_size, shape, classes, self.seed + 2)
+        self.train_set = random_images(self.train_size, shape, classes, self.seed)
+        self.val_set = random_images(self.eval_size, shape, classes, self.seed + 1)
+        self.test_set = random_images(self.eval_size, shape, classes, self.seed + 2)
         for dataset in (self.train_set, self.val_set, self.test_set):
             dataset.indices_only = self.on_device
 
