@@ -65,7 +65,10 @@ def export(cfg: DictConfig) -> dict:
             if cfg.format == "onnx":
                 torch.onnx.export(pixels, (traced,), out, input_names=["images"], output_names=["logits"],
                                   dynamic_shapes=batch, dynamo=True, verbose=False)  # fmt: skip
-                got = _run_onnx(out, check)
+                import onnxruntime
+
+                session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+                got = torch.from_numpy(session.run(None, {"images": check.numpy()})[0])
             else:
                 torch.export.save(torch.export.export(pixels, (traced,), dynamic_shapes=batch), out)
                 got = torch.export.load(out).module()(check)
@@ -84,11 +87,3 @@ def export(cfg: DictConfig) -> dict:
     print(f"exported {shown(out)}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked"
           f" on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
     return {}
-
-
-def _run_onnx(path: Path, images):
-    import onnxruntime
-    import torch
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {"images": images.numpy()})[0])

@@ -8,14 +8,13 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from starter.strategies.precision import local_part
+
 
 def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
-            total += local.numel() * local.element_size()
-    return total
+    """The bytes of this rank's part of each tensor among `tensors` (a DTensor's local shard)."""
+    local = [local_part(t) for t in tensors if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:

@@ -2,7 +2,6 @@
 counted). torch, torchvision and PIL only: loader workers unpickle it in a fork server without Lightning."""
 
 import logging
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,18 +34,12 @@ def load_image(path: str, mode: str = "RGB") -> torch.Tensor:
 
 def evaluation_transform(resize: int | None, crop: int | None, size: list[int] | None = None):
     """uint8 image -> uint8 crop as evaluation sees it: resized (shorter side) and centre-cropped, or, without a crop,
-    resized to `size` (H, W) where it is another size."""
+    resized to `size` (H, W) (an image of that size stays as it is)."""
     from torchvision.transforms import v2
 
     if crop is not None:
         return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
-    return partial(_resized_to, size=list(size))
-
-
-def _resized_to(image: torch.Tensor, size: list[int]) -> torch.Tensor:
-    from torchvision.transforms.v2.functional import resize
-
-    return image if list(image.shape[-2:]) == size else resize(image, size, antialias=True)
+    return v2.Resize(list(size), antialias=True)
 
 
 class ImageFiles(ImageFolder):

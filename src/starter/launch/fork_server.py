@@ -10,7 +10,6 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
-from contextlib import contextmanager
 from functools import cache
 
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -18,29 +17,21 @@ SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 @cache
 def fork_server(preload: tuple[str, ...]):
-    """The multiprocessing context whose processes this process's fork server forks; started on the first call."""
+    """The multiprocessing context whose processes this process's fork server forks; started on the first call. It gets
+    sys.path as PYTHONPATH: a server of Python < 3.12.8 is given sys.path and does not apply it (CPython gh-117378), and
+    a module found only there fails its preload in silence."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*preload, "starter.launch.fork_server_exit"])
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
+    python_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
     try:
-        with _python_path(sys.path):
-            multiprocessing.forkserver.ensure_running()
+        multiprocessing.forkserver.ensure_running()
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    return context
-
-
-@contextmanager
-def _python_path(path: list[str]):
-    """PYTHONPATH for a process started inside the block: a server of Python < 3.12.8 is given sys.path and does not
-    apply it (CPython gh-117378), and a module found only there fails its preload in silence."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in path if entry)
-    try:
-        yield
-    finally:
-        if before is None:
+        if python_path is None:
             del os.environ["PYTHONPATH"]
         else:
-            os.environ["PYTHONPATH"] = before
+            os.environ["PYTHONPATH"] = python_path
+    return context

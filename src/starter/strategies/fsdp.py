@@ -34,14 +34,6 @@ def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Mod
     return units
 
 
-def apply_activation_checkpointing(units: list[nn.Module]) -> None:
-    """Recompute each unit's activations in backward instead of keeping them (memory for compute)."""
-    from torch.distributed._composable import checkpoint  # keeps parameter names unchanged, unlike a wrapper
-
-    for unit in units:
-        checkpoint(unit)
-
-
 def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool,
                param_dtype=None):  # fmt: skip
     """Shard every unit, then every root for what the units leave. `param_dtype` (bf16 or fp16): parameters are
@@ -106,8 +98,11 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
         # reduce-scatters its gradients after the step's last micro-batch
 
     def _shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(units)
+        if self.activation_checkpointing:  # each unit's activations recomputed in backward instead of kept
+            from torch.distributed._composable import checkpoint  # keeps parameter names, unlike a wrapper
+
+            for unit in units:
+                checkpoint(unit)
         param_dtype = MIXED_DTYPES.get(getattr(self.precision_plugin, "precision", ""))
         apply_fsdp(roots, self.device_mesh["data_parallel"], units, self.reshard_after_forward, self.cpu_offload,
                    param_dtype)  # fmt: skip
