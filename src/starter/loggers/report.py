@@ -34,26 +34,19 @@ def shown(path, within=None) -> str:
     return str(path) if relative.startswith("..") else relative
 
 
-def read_metrics_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each logged metric as (step, value) pairs; CSVLogger writes one row per step with blanks elsewhere."""
+def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
+    """The training and validation losses beside the monitored metric, by step (metrics.csv: a row per logged step,
+    blank where a metric has no value)."""
+    from matplotlib.figure import Figure  # not pyplot: no backend or global figure state
+
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="") as f:
+    with open(csv_path, newline="") as f:
         for row in csv.DictReader(f):
             for name, value in row.items():
                 if name not in ("epoch", "step") and value not in ("", None):
                     series.setdefault(name, []).append((int(row["step"]), float(value)))
-    return series
-
-
-def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
-    """The training and validation losses beside the monitored metric, by step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = read_metrics_csv(csv_path)
-    fig, (ax_loss, ax_monitor) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_loss, ax_monitor = fig.subplots(1, 2)
     for name in ("train/loss", "val/loss"):
         if name in series:
             ax_loss.plot(*zip(*series[name]), label=name, marker="o" if name == "val/loss" else None)
@@ -66,7 +59,6 @@ def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
             ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 def log_model_summary(model, image_shape) -> None:
