@@ -35,7 +35,7 @@ def test_dp_routes_every_step_forward_through_data_parallel_and_leaves_the_modul
     trainer.test(model, datamodule=datamodule, verbose=False)
     assert trainer.strategy._data_parallel is None  # released at teardown
     assert calls[:3] == [32, 32, 32] and len(calls) >= 5  # 3 training steps, then validation and test batches
-    assert "forward" not in model.__dict__  # the override lives only during a step
+    assert "forward" not in model.__dict__  # the override lives only while the strategy runs
     assert trainer.model is model and all(k.startswith("net.") for k in model.state_dict())
 
 

@@ -3,7 +3,7 @@ scattered, replicas run in threads, outputs gathered on the first GPU). The step
 batch, so it equals one device's, and checkpoints have no `module.` prefix.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
@@ -11,7 +11,7 @@ from torch import nn
 
 
 class _ClassForward(nn.Module):
-    """Calls the class's own `forward` of the wrapped module (bypassing the step-time override below)."""
+    """Calls the class's own `forward` of the wrapped module (bypassing the strategy's override below)."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -49,31 +49,8 @@ class DataParallelStrategy(ParallelStrategy):
         super().setup(trainer)
         device_ids = [d.index for d in self.parallel_devices if d.type == "cuda"]
         self._data_parallel = nn.DataParallel(_ClassForward(self.lightning_module), device_ids=device_ids or None)
-
-    def training_step(self, *args, **kwargs):
-        with self._split_forward():
-            return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args, **kwargs):
-        with self._split_forward():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args, **kwargs):
-        with self._split_forward():
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args, **kwargs):
-        with self._split_forward():
-            return super().predict_step(*args, **kwargs)
-
-    @contextmanager
-    def _split_forward(self):
-        module = self.lightning_module
-        module.forward = self._forward_on_all_devices  # an instance attribute shadows the class's forward
-        try:
-            yield
-        finally:
-            del module.forward
+        # until teardown, the module's forward (in every step) splits: an instance attribute shadows the class's
+        self.lightning_module.forward = self._forward_on_all_devices
 
     def _forward_on_all_devices(self, *args, **kwargs):
         self._data_parallel.module.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
@@ -92,5 +69,7 @@ class DataParallelStrategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
+        if self.lightning_module is not None:
+            vars(self.lightning_module).pop("forward", None)
         self._data_parallel = None
         super().teardown()
