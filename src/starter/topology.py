@@ -33,10 +33,9 @@ class Traits:
     @classmethod
     def of(cls, strategy_cfg) -> "Traits":
         declared = dict(strategy_cfg.get("traits") or {})
-        known = [f.name for f in fields(cls)]
-        if unknown := sorted(declared.keys() - set(known)):
-            names = ", ".join(known)
-            raise UserError(f"strategy={strategy_cfg.name} declares unknown traits {unknown}; known: {names}")
+        known = ", ".join(f.name for f in fields(cls))
+        if unknown := sorted(declared.keys() - {f.name for f in fields(cls)}):
+            raise UserError(f"strategy={strategy_cfg.name} declares unknown traits {unknown}; known: {known}")
         return cls(**declared)
 
     @property
@@ -46,9 +45,7 @@ class Traits:
 
 def why_not(support: Support) -> str | None:
     """None where `support` says supported; else the reason it gives ("" when it gives none)."""
-    if support is True:
-        return None
-    return support if isinstance(support, str) else ""
+    return None if support is True else support if isinstance(support, str) else ""
 
 
 @dataclass(frozen=True)
@@ -98,9 +95,7 @@ def device_type(cfg: DictConfig) -> str:
 
 
 def _size(strategy_cfg: DictConfig, key: str, world: int) -> int:
-    if key not in strategy_cfg:
-        return 1
-    value = strategy_cfg[key]
+    value = strategy_cfg.get(key, 1)  # absent: 1; null: every process
     return world if value is None else int(value)
 
 

@@ -17,8 +17,7 @@ class EpochStats(L.Callback):
             raise UserError(f"monitor_mode={mode}: choose max or min")
         self.monitor, self.better = monitor, max if mode == "max" else min
         self.started = self.ended = 0.0
-        self.lr: float | None = None
-        self.best: float | None = None
+        self.lr = self.best = None  # floats once known
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self.started = self.ended = time.monotonic()

@@ -14,14 +14,11 @@ NONE_YET = 2**62  # the first bad batch's index when there is none (the minimum 
 
 class StopOnNonFiniteLoss(L.Callback):
     def __init__(self):
-        self._reset()
+        self.on_train_start()
 
-    def _reset(self) -> None:
+    def on_train_start(self, *args) -> None:
         self.first_bad = self.bad_loss = self.counter = None  # device tensors, made at the first step
         self.positions: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each batch since the last check
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._reset()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self.positions.append((trainer.global_step, trainer.current_epoch, batch_idx))

@@ -7,7 +7,7 @@ import pickle
 from contextlib import contextmanager
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from starter.errors import UserError
 
@@ -41,11 +41,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
 def saved_config(checkpoint: Path) -> DictConfig | None:
     """The config of the run that wrote `checkpoint` (<run>/checkpoints/<name>), where it is still beside it."""
     config = checkpoint.resolve().parent.parent / "config.yaml"
-    if config.is_file():
-        from omegaconf import OmegaConf
-
-        return OmegaConf.load(config)
-    return None
+    return OmegaConf.load(config) if config.is_file() else None
 
 
 def check_sharded_writer(path: Path, strategy: str) -> None:

@@ -24,12 +24,8 @@ class ShardedDataModule(L.LightningDataModule):
                  pin_memory: bool = True, persistent_workers: bool = False, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, ra_reps: int = 0):  # fmt: skip
         super().__init__()
-        self.batch_size = int(batch_size)
-        self.image_shape = tuple(image_shape)
-        self.num_classes = int(num_classes)
-        self.seed = int(seed)
-        self.num_workers = int(num_workers)
-        self.pin_memory = bool(pin_memory)
+        self.batch_size, self.image_shape, self.num_classes = int(batch_size), tuple(image_shape), int(num_classes)
+        self.seed, self.num_workers, self.pin_memory = int(seed), int(num_workers), bool(pin_memory)
         self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
         # What normalise() applies to uint8 images; each data set sets its own (value_range: x's full scale).
         self.value_range, self.mean, self.std = 255.0, (0.5,) * self.image_shape[0], (0.5,) * self.image_shape[0]
@@ -38,9 +34,7 @@ class ShardedDataModule(L.LightningDataModule):
         self._statistics: list[torch.Tensor] | None = None
         self.mix = batch_mixing(float(mixup_alpha), float(cutmix_alpha), self.num_classes)
         self.ra_reps = int(ra_reps)  # repeated augmentation: each image this many times an epoch (0: off)
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.test_set: Dataset | None = None
+        self.train_set = self.val_set = self.test_set = None  # each a Dataset once set up
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, "train")

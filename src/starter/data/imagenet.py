@@ -42,7 +42,7 @@ class ImageFolderDataModule(ShardedDataModule):
                  val_crop_size: int | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
                  **kwargs):  # fmt: skip
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
-        self.root = Path(root)
+        self.root, self.skip_unreadable = Path(root), bool(skip_unreadable)
         self.train_crop_size = int(train_crop_size or self.image_shape[-1])
         self.val_crop_size = int(val_crop_size or self.image_shape[-1])
         self.val_resize_size = int(val_resize_size or round(self.val_crop_size * 256 / 224))
@@ -50,7 +50,6 @@ class ImageFolderDataModule(ShardedDataModule):
         if self.image_shape[0] == 3:
             self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.eval_resize, self.eval_crop = self.val_resize_size, self.val_crop_size
-        self.skip_unreadable = bool(skip_unreadable)
 
     def unreadable_images(self) -> list[str]:
         """The images this process has skipped so far (with skip_unreadable; val is also the test split)."""

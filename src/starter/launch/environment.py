@@ -51,9 +51,7 @@ def external_launcher(world: int) -> str | None:
 
 def slurm_tasks() -> int:
     """SLURM_NTASKS of an `srun` step; 0 outside SLURM and in an interactive shell (Lightning's own rule)."""
-    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
-        return 0
-    return int(os.environ.get("SLURM_NTASKS", 0))
+    return 0 if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive") else int(os.environ.get("SLURM_NTASKS", 0))
 
 
 def adopt_torchrun_sizes(cfg: DictConfig) -> None:

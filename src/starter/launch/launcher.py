@@ -18,7 +18,7 @@ from pathlib import Path
 
 from starter.errors import PREEMPTED_EXIT_CODE
 from starter.launch.fork_server import fork_server
-from starter.launch.watchdog import failure, process_state, report, serve_store, where
+from starter.launch.watchdog import client, failure, process_state, report, serve_store, where
 from starter.topology import Layout
 
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
@@ -136,20 +136,13 @@ def _signal(process: BaseProcess, signum: int) -> None:
 
 
 def _run_store(address: str, port: str | None, holder: BaseProcess | None):
-    """A client of the store rank 0 serves on this node; None where rank 0 is gone or stopped (it would never
-    answer)."""
-    if holder is None or port is None or _stopped(holder.pid):
+    """A client of the store rank 0 serves on this node; None where rank 0 is gone or stopped (it would not answer)."""
+    if holder is None or port is None or process_state(holder.pid) in ("T", "t"):
         return None
     try:
-        from starter.launch.watchdog import client
-
         return client(address, int(port), timeout_s=5)
     except Exception:
         return None
-
-
-def _stopped(pid: int) -> bool:
-    return process_state(pid) in ("T", "t")
 
 
 def join_rendezvous(port_to=None):
@@ -207,7 +200,7 @@ def _stop(procs: list[BaseProcess], grace_s: float) -> None:
     """SIGTERM, and `grace_s` to leave; a stopped worker (SIGSTOP, a hung node's) cannot act on it: killed at once."""
     for p in procs:
         if p.exitcode is None:
-            _signal(p, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
+            _signal(p, signal.SIGKILL if process_state(p.pid) in ("T", "t") else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))

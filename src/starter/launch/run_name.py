@@ -4,7 +4,7 @@ nodes' store (launcher.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a 
 `ckpt_path=auto` finds its directory)."""
 
 import os
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import cache
 
 from starter.launch.environment import slurm_tasks, torchrun_id
@@ -19,10 +19,9 @@ def run_name(num_nodes: int = 1) -> str:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return stamp
         # One name per torchrun job: its restarts (--max-restarts) continue the same directory (ckpt_path=auto).
-        from torch.distributed import TCPStore  # only when several processes must agree
+        from starter.launch.watchdog import client  # torch: only when several processes must agree
 
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         wait_for_workers=False, timeout=timedelta(seconds=300))  # fmt: skip
+        store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's
         return _share(store, f"{KEY}/{run_id}", stamp, first=int(os.environ["RANK"]) == 0)
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"

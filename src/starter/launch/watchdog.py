@@ -104,16 +104,17 @@ def listening(address: str, port: int) -> bool:
 class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
                  stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
-                 stop_signal: int = signal.SIGTERM, kills_stopped_peers: bool = False):  # fmt: skip
+                 stop_signal: int = signal.SIGTERM):  # fmt: skip
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: our launcher, which
-        this process outlives only to save and stop (`stop_signal`)."""
+        this process outlives only to save and stop (`stop_signal`); without one (torchrun, srun) nothing else would
+        kill a stopped rank, so the watchdog that names it does."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
-        self.store_holder, self.kills_stopped_peers = store_holder, kills_stopped_peers
+        self.store_holder, self.kills_stopped_peers = store_holder, launcher_pid is None
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
@@ -305,8 +306,7 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
-                        store_holder="rank 0 (node 0)", serves_store=served is not None,
-                        kills_stopped_peers=True)  # fmt: skip
+                        store_holder="rank 0 (node 0)", serves_store=served is not None)  # fmt: skip
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 

@@ -8,6 +8,4 @@ from starter.topology import process_rank
 
 def on_rank_zero(logger: str, **kwargs):
     """`logger` (a class path) built with `kwargs` on rank 0; None on the others."""
-    if process_rank() != 0:
-        return None
-    return get_class(logger)(**kwargs)
+    return get_class(logger)(**kwargs) if process_rank() == 0 else None

@@ -66,12 +66,10 @@ class Pipelined:
         super().__init__(*args, **kwargs)
         self.schedule_name, self.microbatches = schedule, int(microbatches)
         self.stages_per_rank = stages_per_process(schedule, stages_per_rank)
-        self.schedule = None
+        self.schedule, self.batch_rows, self.gradients = None, 0, []
         self.is_first = self.is_last = False
         self.output_source = 0  # the global rank of the first pipeline's last stage (rank 0 logs its output)
         self.output_tail: tuple[int, ...] | None = None  # an output's shape without the batch dimension
-        self.batch_rows = 0
-        self.gradients: list = []
 
     @property
     def pipelined(self) -> bool:

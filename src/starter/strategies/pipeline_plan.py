@@ -63,6 +63,4 @@ def _cut(strategy_cfg: DictConfig, layout: Layout) -> tuple[int, int] | None:
 
 
 def _describe(cut: tuple[int, int] | None) -> str:
-    return (
-        "a net not cut into a pipeline" if cut is None else f"a pipeline of {cut[0]} processes x {cut[1]} stages each"
-    )
+    return f"a pipeline of {cut[0]} processes x {cut[1]} stages each" if cut else "a net not cut into a pipeline"
