@@ -8,12 +8,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from starter.strategies.precision import local_part
-
 
 def local_bytes(tensors) -> int:
     """The bytes of this rank's part of each tensor among `tensors` (a DTensor's local shard)."""
-    local = [local_part(t) for t in tensors if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in local)
 
 
