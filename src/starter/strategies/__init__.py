@@ -1,1 +1,1 @@
-"""What Lightning lacks for our modes: building the strategy from config, and a Hydra-aware process launch."""
+"""The modes Lightning lacks (dp, fsdp, tp, pp), each declaring what it supports, and the strategy built from config."""
