@@ -11,12 +11,14 @@ def already_batched(batch):
 
 
 class TensorPairs(Dataset):
-    """Sample i: (images[i % len(images)], labels[i]); fewer images than labels are a pool the samples share."""
+    """Sample i: (images[i % len(images)], labels[i]): a pair per label, or with `pool` fewer images, shared."""
 
     indices_only = False  # yield pool indices instead, for SyntheticDataModule.transfer_batch_to_device to gather
     collate_fn = staticmethod(already_batched)
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, pool: bool = False):
+        if len(images) != len(labels) and not (pool and len(images) <= len(labels)):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
@@ -35,4 +37,4 @@ def random_images(length: int, shape: tuple[int, ...], num_classes: int, seed: i
     """`length` samples of a pool of random uint8 images, each with a random label of its own."""
     generator = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (min(pool, length), *shape), dtype=torch.uint8, generator=generator)
-    return TensorPairs(images, torch.randint(num_classes, (length,), generator=generator))
+    return TensorPairs(images, torch.randint(num_classes, (length,), generator=generator), pool=True)

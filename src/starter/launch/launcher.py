@@ -23,6 +23,7 @@ from starter.topology import Layout
 
 # torch's agent-store contract (torchrun's): every rank, rank 0 included, is a client of a store served apart.
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
 _node_store = None  # the store the jobs of several nodes share, held (node 0: served) for as long as this job runs
 
 
@@ -137,7 +138,7 @@ def _signal(process: BaseProcess, signum: int) -> None:
 
 def _run_store(address: str, port: str | None, holder: BaseProcess | None):
     """A client of the store rank 0 serves on this node; None where rank 0 is gone or stopped (it would not answer)."""
-    if holder is None or port is None or process_state(holder.pid) in ("T", "t"):
+    if holder is None or port is None or process_state(holder.pid) in STOPPED:
         return None
     try:
         return client(address, int(port), timeout_s=5)
@@ -200,7 +201,7 @@ def _stop(procs: list[BaseProcess], grace_s: float) -> None:
     """SIGTERM, and `grace_s` to leave; a stopped worker (SIGSTOP, a hung node's) cannot act on it: killed at once."""
     for p in procs:
         if p.exitcode is None:
-            _signal(p, signal.SIGKILL if process_state(p.pid) in ("T", "t") else signal.SIGTERM)
+            _signal(p, signal.SIGKILL if process_state(p.pid) in STOPPED else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
