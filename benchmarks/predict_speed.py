@@ -35,9 +35,10 @@ def images_per_s(checkpoint: Path, datamodule, files: list[str]) -> tuple[float,
     import lightning as L
 
     from starter.checkpointing.inference import load_for_inference
+    from starter.checkpointing.record import model_builders
     from starter.data.base import ImagesToPredict
 
-    model, record = load_for_inference(checkpoint)
+    model, record = load_for_inference(checkpoint, model_builders([Path(__file__).parents[1] / "conf"]))
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)  # fmt: skip
     start = time.perf_counter()

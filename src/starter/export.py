@@ -5,9 +5,10 @@ batch of another size differ from the model's by at most `tolerance`."""
 import importlib.util
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from torch import nn
 
+from starter.checkpointing.record import model_builders
 from starter.errors import UserError
 from starter.loggers.report import shown
 from starter.predict import weights_path
@@ -27,6 +28,8 @@ def prepare(cfg: DictConfig) -> Layout:
     if layout.world != 1:
         raise UserError("export runs one process: leave devices and num_nodes at 1")
     cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    with open_dict(cfg):
+        cfg.model_builders = sorted(model_builders())
     return layout
 
 
@@ -53,7 +56,7 @@ def export(cfg: DictConfig) -> dict:
     from starter.run import start_process
 
     start_process(cfg)
-    model, record = load_for_inference(Path(cfg.ckpt_path))
+    model, record = load_for_inference(Path(cfg.ckpt_path), set(cfg.model_builders))
     net = getattr(model, "net", model)
     pixels = Pixels(net, record).eval()
     out = Path(cfg.paths.output_dir) / FORMATS[cfg.format]

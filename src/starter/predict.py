@@ -9,8 +9,9 @@ import logging
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
+from starter.checkpointing.record import model_builders
 from starter.errors import UserError
 from starter.loggers.report import shown
 from starter.preflight import settle
@@ -26,6 +27,8 @@ def prepare(cfg: DictConfig) -> Layout:
         raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
                         " a checkpoint of any strategy loads into either")  # fmt: skip
     cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    with open_dict(cfg):  # for the workers, which have no Hydra run to read them from
+        cfg.model_builders = sorted(model_builders())
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "inputs.txt").write_text("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
@@ -84,7 +87,7 @@ def predict(cfg: DictConfig) -> dict:
             self.rows += zip(batch[1].tolist(), top.indices.tolist(), top.values.tolist())
 
     start_process(cfg)
-    model, record = load_for_inference(Path(cfg.ckpt_path))
+    model, record = load_for_inference(Path(cfg.ckpt_path), set(cfg.model_builders))
     run_dir = Path(cfg.paths.output_dir)
     paths = (run_dir / "inputs.txt").read_text().splitlines()
     images = ImagesToPredict(paths, record, int(cfg.batch_size), int(cfg.num_workers), bool(cfg.skip_unreadable))

@@ -7,8 +7,9 @@ import logging
 import signal
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, open_dict
 
+from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
 from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
@@ -35,8 +36,11 @@ def prepare(cfg: DictConfig) -> Layout:
         if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
             raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
                             f" (or pip install {name})")  # fmt: skip
-    if cfg.get("init_from") and not Path(cfg.init_from).is_file():
-        raise UserError(f"init_from={cfg.init_from}: no such file")
+    if cfg.get("init_from"):
+        if not Path(cfg.init_from).is_file():
+            raise UserError(f"init_from={cfg.init_from}: no such file")
+        with open_dict(cfg):  # what may rebuild a model, for the workers (which have no Hydra run to read it from)
+            cfg.model_builders = sorted(model_builders())
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
     saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
     if path is not None:

@@ -32,7 +32,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule = build(cfg.data)
     model = build(cfg.model)
     if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
-        load_initial_weights(model, Path(cfg.init_from))
+        load_initial_weights(model, Path(cfg.init_from), set(cfg.model_builders))
     if cfg.trainer.get("enable_model_summary") and process_rank() == 0 and "image_shape" in cfg.data:
         log_model_summary(model, cfg.data.image_shape)
     if cfg.get("channels_last"):

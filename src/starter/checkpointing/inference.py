@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from starter.checkpointing.record import check_record
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.errors import UserError
 
@@ -36,8 +37,9 @@ def save_full_weights(trainer, path: Path, inference: dict) -> None:
         torch.save({"state_dict": state, "inference": inference}, path)
 
 
-def load_for_inference(path: Path) -> tuple[L.LightningModule, dict]:
-    """The trained model (CPU, eval mode) and its inference record, from any checkpoint of this starter or model.pt."""
+def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModule, dict]:
+    """The trained model (CPU, eval mode) and its inference record, from any checkpoint of this starter or model.pt;
+    rebuilt only by `builders`, what the model configs here name (checkpointing/record.py)."""
     from hydra.utils import instantiate
 
     with refusing_pickled_code(path):
@@ -46,6 +48,7 @@ def load_for_inference(path: Path) -> tuple[L.LightningModule, dict]:
         raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
                         " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
     record = saved["inference"]
+    check_record(record, builders, f"ckpt_path={path}")
     model = instantiate(record["model"])
     if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
         from torch.distributed.checkpoint import load
