@@ -92,7 +92,7 @@ def predict(cfg: DictConfig) -> dict:
     paths = (run_dir / "inputs.txt").read_text().splitlines()
     images = ImagesToPredict(paths, record, int(cfg.batch_size), int(cfg.num_workers), bool(cfg.skip_unreadable))
     collect = Collect()
-    trainer = build_trainer(cfg, Layout.of(cfg), [collect], loggers=[])
+    trainer = build_trainer(cfg, Layout.of(cfg), [collect], loggers=[], shards_itself=True)
     trainer.predict(model, datamodule=images, return_predictions=False)
     rows = collect.rows
     if torch.distributed.is_initialized():

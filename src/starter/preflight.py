@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
-from starter.errors import UserError
+from starter.errors import UserError, one_line
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
@@ -25,11 +25,12 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 def prepare(cfg: DictConfig) -> Layout:
     """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
-    layout, traits = settle(cfg, int(cfg.data.batch_size)), Traits.of(cfg.strategy)
+    global_batch = int(cfg.data.batch_size) if data_shards_itself(cfg.data) else None
+    layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)
     _settle_num_classes(cfg)
     _check_capabilities(cfg, traits, layout)
     if pipelined(cfg.strategy, layout):
-        check_pipeline(cfg, layout)
+        check_pipeline(cfg, layout, global_batch)
     extras = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}
     modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
     for name in cfg.get("logger") or {}:
@@ -53,8 +54,21 @@ def prepare(cfg: DictConfig) -> Layout:
     return layout
 
 
-def settle(cfg: DictConfig, global_batch: int) -> Layout:
-    """What every run settles (training, predict): precision, devices, layout, equal shares of `global_batch`."""
+def data_shards_itself(data: DictConfig) -> bool:
+    """Whether the DataModule declares that it shards its data itself (`shards_itself = True`, as ShardedDataModule
+    does): then `data.batch_size` is the global batch. Any other is sharded as Lightning shards it (its
+    DistributedSampler), with the batch size its DataLoaders give. Read off its class, which this imports."""
+    from hydra.utils import get_object
+
+    try:
+        return bool(getattr(get_object(data._target_), "shards_itself", False))
+    except Exception as err:
+        raise UserError(f"data._target_={data.get('_target_')}: cannot import it ({one_line(err)})") from None
+
+
+def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
+    """What every run settles (training, predict): precision, devices, layout, equal shares of `global_batch` (None:
+    a batch that is each process's own)."""
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
@@ -70,7 +84,8 @@ def settle(cfg: DictConfig, global_batch: int) -> Layout:
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
-    per_process_batch(global_batch, layout.data_parallel)
+    if global_batch is not None:
+        per_process_batch(global_batch, layout.data_parallel)
     if launched_by(layout.world, traits.multi_process) == "ours":
         check_rendezvous(layout.nodes)
     return layout

@@ -11,6 +11,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
@@ -40,9 +41,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("compile"):  # in place: parameter names and checkpoints stay the plain module's
         model.compile(**cfg.get("compile_options") or {})
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
+    hyperparameters = PlainHyperparameters(*(OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data)))
     callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
     loggers = [lg for lg in map(build, cfg.logger.values()) if lg is not None]  # some only on rank 0
-    trainer = build_trainer(cfg, layout, [*callbacks, inference], loggers)
+    trainer = build_trainer(
+        cfg, layout, [*callbacks, inference, hyperparameters], loggers, getattr(datamodule, "shards_itself", False)
+    )
     log_config(trainer, cfg)
     try:
         metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record)
@@ -94,15 +98,19 @@ def start_process(cfg: DictConfig) -> None:
         torch.backends.cudnn.allow_tf32 = bool(cfg.get("tf32", True))
 
 
-def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list) -> L.Trainer:
+def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list, shards_itself: bool) -> L.Trainer:
     """The trainer of `cfg.trainer`, with the strategy and precision of the run, its ranks read from torchrun's or
     SLURM's variables where they started every rank, else ours (also inside a SLURM job of fewer tasks, whose
-    SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py)."""
+    SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py).
+    Lightning's DistributedSampler goes into the DataLoaders of a DataModule that does not shard itself, unless
+    `trainer.use_distributed_sampler` says otherwise."""
     plugins = [build(p) for p in cfg.trainer.get("plugins") or []]
     plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
     plugins += [] if external_launcher(layout.world) else [LightningEnvironment()]
+    sampler = cfg.trainer.get("use_distributed_sampler")
     return build(cfg.trainer, enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
-                 callbacks=callbacks, logger=loggers or False, plugins=plugins)  # fmt: skip
+                 callbacks=callbacks, logger=loggers or False, plugins=plugins,
+                 use_distributed_sampler=not shards_itself if sampler is None else sampler)  # fmt: skip
 
 
 def end_process_group() -> None:

@@ -24,8 +24,9 @@ class StopOnNonFiniteLoss(L.Callback):
         self.positions.append((trainer.global_step, trainer.current_epoch, batch_idx))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):  # a step that returns no loss (manual optimization may): not watched
+            self.positions.pop()
             return
         loss = loss.detach()
         if self.counter is None:

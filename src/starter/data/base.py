@@ -20,6 +20,10 @@ from starter.topology import per_process_batch
 
 
 class ShardedDataModule(L.LightningDataModule):
+    # What this starter reads to run a DataModule this way (any DataModule may declare it): `batch_size` is global,
+    # and its loaders shard the data themselves, so no sampler of Lightning's is put in (preflight.py, run.py).
+    shards_itself = True
+
     def __init__(self, batch_size: int, image_shape: list[int], num_classes: int, seed: int = 0, num_workers: int = 0,
                  pin_memory: bool = True, persistent_workers: bool = False, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, ra_reps: int = 0):  # fmt: skip

@@ -9,8 +9,11 @@ FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file'
 
 
 class Console(logging.Filter):
+    """This starter's lines, but those logged with `extra={"file_only": True}`, and anything at ERROR."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.startswith("starter") or record.levelno >= logging.ERROR
+        own = record.name.startswith("starter") and not getattr(record, "file_only", False)
+        return own or record.levelno >= logging.ERROR
 
 
 def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, verbose: bool = False) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from starter.errors import UserError
 from starter.strategies.model_parallel import OutsideModelParallel
 from starter.strategies.pipeline import Pipelined
 from starter.strategies.tp import apply_tensor_parallel, split_layers
@@ -88,8 +89,14 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
         # torchtitan's order: tensor parallel, then activation checkpointing, then FSDP.
         if self.layout.tensor_parallel > 1:
             apply_tensor_parallel(module, self.device_mesh["tensor_parallel"])
-        roots = [child for child in module.children() if any(True for _ in child.parameters())]
-        self._shard(roots, sharding_units(module, self.unit_names))
+        if own := [name for name, _ in module.named_parameters(recurse=False)]:
+            raise UserError(
+                f"strategy=fsdp shards the module's submodules, and {', '.join(own)} are parameters of"
+                f" {type(module).__name__} itself; hold them in a submodule (an nn.Module attribute)"
+            )
+        units = sharding_units(module, self.unit_names)
+        roots = [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
+        self._shard(roots, units)
 
     def parallelize_stage(self, stage: nn.Module) -> None:
         if self.layout.tensor_parallel > 1:

@@ -19,8 +19,9 @@ def pipelined(strategy_cfg: DictConfig, layout: Layout) -> bool:
     return Traits.of(strategy_cfg).pipeline or layout.pipeline_parallel > 1
 
 
-def check_pipeline(cfg: DictConfig, layout: Layout) -> None:
-    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them."""
+def check_pipeline(cfg: DictConfig, layout: Layout, global_batch: int | None) -> None:
+    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them.
+    `global_batch`: None where the DataModule's batch is its own (the pipeline checks it as it splits it)."""
     strategy, stages = cfg.strategy, layout.pipeline_parallel
     if cfg.get("compile"):
         raise UserError("compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
@@ -33,7 +34,7 @@ def check_pipeline(cfg: DictConfig, layout: Layout) -> None:
         fix = "strategy.stages_per_rank=2 (or more)" if per_process == 1 else "strategy.schedule=interleaved_1f1b"
         raise UserError(f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
                         f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
-    batch = per_process_batch(int(cfg.data.batch_size), layout.data_parallel)
+    batch = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else 0
     if batch % micro:
         raise UserError(f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
                         f" which strategy.microbatches={micro} does not divide; give each pipeline a"

@@ -1,0 +1,58 @@
+"""Checkpoints stay weights-only loadable whatever a module or DataModule saves with `save_hyperparameters()`: a
+hyperparameter that is code (a module, a partial, a class, a function) is written as the config that built it (the
+model's or the data's config key of the same name), else left out, said once in the run's log file. The module's own
+`hparams` are untouched (a template's `configure_optimizers` calls `self.hparams.optimizer`)."""
+
+import logging
+
+import lightning as L
+import torch
+from omegaconf import Container, OmegaConf
+
+log = logging.getLogger(__name__)
+PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+# Lightning's keys: the hyperparameters, and the type it records where they are an OmegaConf container
+SAVED = {"hyper_parameters": "hparams_type", "datamodule_hyper_parameters": "datamodule_hparams_type"}
+
+
+class PlainHyperparameters(L.Callback):
+    def __init__(self, model: dict, data: dict):
+        """`model`, `data`: the resolved configs that built the module and the DataModule."""
+        self.configs = {"hyper_parameters": model, "datamodule_hyper_parameters": data}
+        self.said: set[str] = set()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        for key, type_key in SAVED.items():
+            checkpoint.pop(type_key, None)
+            if key in checkpoint:
+                checkpoint[key] = self.plain(dict(_container(checkpoint[key])), self.configs[key], key)
+
+    def plain(self, hparams: dict, config: dict, key: str) -> dict:
+        kept, left_out = {}, []
+        for name, value in hparams.items():
+            value = _container(value)
+            if is_plain(value):
+                kept[name] = value
+            elif name in config and is_plain(config[name]):
+                kept[name] = config[name]
+            else:
+                left_out.append(name)
+        if left_out and key not in self.said:
+            self.said.add(key)
+            what = f"{key.replace('_', ' ')} {', '.join(left_out)}"
+            message = f"checkpoints leave out the {what}: code, with no config of that name to save instead"
+            log.info("%s (checkpoints load weights-only)", message, extra={"file_only": True})
+        return kept
+
+
+def is_plain(value) -> bool:
+    """Whether `torch.load(weights_only=True)` reads `value` back: primitives and tensors, in dicts, lists, tuples."""
+    if isinstance(value, dict):
+        return all(isinstance(k, PLAIN) and is_plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(map(is_plain, value))
+    return isinstance(value, PLAIN)
+
+
+def _container(value):
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, Container) else value
