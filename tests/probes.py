@@ -251,3 +251,26 @@ class RecordModules(L.Callback):
         import sys
 
         self.output.write_text(json.dumps(sorted(m for m in sys.modules if m.startswith("starter."))))
+
+
+def sample_ids(batch) -> list[int]:
+    """A number for each sample of a batch: the CRC of its first tensor's row (a tuple's, list's or dict's first)."""
+    import zlib
+
+    while not isinstance(batch, torch.Tensor):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return [zlib.crc32(row.contiguous().cpu().numpy().tobytes()) for row in batch]
+
+
+class RecordSamples(L.Callback):
+    """Appends a line per training batch to `<output>/rank<r>.jsonl`: the epoch, the step and the batch's sample_ids
+    (written as it goes: a run stopped and resumed into the same output keeps both parts)."""
+
+    def __init__(self, output: str):
+        self.output = Path(output)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.output.mkdir(parents=True, exist_ok=True)
+        line = {"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": sample_ids(batch)}
+        with (self.output / f"rank{trainer.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")

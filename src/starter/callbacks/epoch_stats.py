@@ -28,6 +28,8 @@ class EpochStats(L.Callback):
         # the epoch's learning rate (an epoch-wise schedule steps before on_train_epoch_end)
         self.lr = float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else None
 
+    on_train_start = on_train_epoch_start  # a run resumed mid-epoch starts there: Lightning calls no epoch start
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.ended = time.monotonic()  # the epoch's time is its training steps': validation is not in it
         self.samples += batch_length(batch)

@@ -73,6 +73,8 @@ class EpochLines(ProgressBar):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self.started, self.first_step = time.monotonic(), trainer.global_step
 
+    on_train_start = on_train_epoch_start  # a run resumed mid-epoch starts there: Lightning calls no epoch start
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.training = logged_training_values(trainer) or self.training
 

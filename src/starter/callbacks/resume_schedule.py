@@ -7,6 +7,7 @@ import logging
 import warnings
 
 import lightning as L
+import torch
 
 log = logging.getLogger(__name__)
 PROGRESS_KEYS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
@@ -22,6 +23,8 @@ class ResumeSchedule(L.Callback):
         if trainer.ckpt_path is None:
             return
         for config, (planned, planned_optimizer) in zip(trainer.lr_scheduler_configs, planned_schedules(pl_module)):
+            if planned is None:
+                continue
             restored = config.scheduler.state_dict()
             changed = {k: (restored.get(k), v) for k, v in planned.state_dict().items()
                        if k not in PROGRESS_KEYS and restored.get(k) != v}  # fmt: skip
@@ -46,14 +49,20 @@ class ResumeSchedule(L.Callback):
 
 
 def planned_schedules(pl_module) -> list:
-    """(scheduler, its optimizer) pairs as the module's configure_optimizers plans them now, untouched."""
+    """(scheduler, its optimizer) pairs as the module's configure_optimizers plans them now, untouched; in Lightning's
+    order of `trainer.lr_scheduler_configs`. A scheduler that follows a metric (ReduceLROnPlateau) has no plan to
+    replan: it is (None, None), kept as restored."""
     configured = pl_module.configure_optimizers()
     if isinstance(configured, dict):
         configured = [configured]
+    elif isinstance(configured, (list, tuple)) and len(configured) == 2 and isinstance(configured[1], (list, tuple)):
+        configured = [{"lr_scheduler": item} for item in configured[1]]  # ([optimizers], [schedulers])
     pairs = []
     for item in configured if isinstance(configured, (list, tuple)) else []:
         scheduler = item.get("lr_scheduler") if isinstance(item, dict) else None
         scheduler = scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler
-        if scheduler is not None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            pairs.append((None, None))
+        elif scheduler is not None:
             pairs.append((scheduler, scheduler.optimizer))
     return pairs
