@@ -1,0 +1,172 @@
+"""Code written for Lightning, not for this starter (tests/foreign: a Lightning + Hydra template's module and
+DataModule, manual optimization with two optimizers on dict batches that logs no `val/*` metric, a language model on
+an IterableDataset), brought in with nothing but config files (`hydra.searchpath`), runs as Lightning runs it: in one
+process the very weights Lightning's own Trainer gives; under ddp and fsdp Lightning's steps an epoch, each sample
+once an epoch across the ranks (Lightning's DistributedSampler, or the data set's own split); stopped by SIGTERM
+mid-epoch and resumed, the steps Lightning gives and the line that says what the resumed epoch trains; checkpoints
+that load weights-only."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import PROBES, ROOT, model_weights, read_metrics, run_dirs, train, with_env
+from probes import sample_ids
+
+FOREIGN = ROOT / "tests" / "foreign"
+SEARCHPATH = f"hydra.searchpath=[file://{FOREIGN / 'conf'}]"
+RECORD = ["+callbacks.samples._target_=probes.RecordSamples", "+callbacks.samples.output=${paths.output_dir}/samples"]
+# Per experiment (2 epochs): training samples, batches an epoch in one process and per rank of two, the global steps
+# a batch makes (manual optimization steps two optimizers), and the global step after which a stop signal is sent:
+# the ranks agree on it at the next logging step (every 10th batch; every 4th for manual, whose 10 batches an epoch
+# would put every 10th at an epoch's end), in the second epoch.
+EXPERIMENTS = {
+    "template": dict(samples=1197, one=19, two=19, steps_per_batch=1, stop=[25]),  # 64 a step, 32 a rank
+    "manual": dict(samples=1000, one=20, two=10, steps_per_batch=2, stop=[22, "trainer.log_every_n_steps=4"]),
+    "tokens": dict(samples=256, one=16, two=8, steps_per_batch=1, stop=[9]),  # 16 a process
+}
+
+
+def training_ids(experiment: str) -> Counter:
+    """The training split's samples as the DataModule itself makes them, named as probes.RecordSamples names them."""
+    from foreign.manual import DictDigits
+    from foreign.template import DigitsDataModule
+    from foreign.tokens import TokenStream
+
+    datamodule = {"template": DigitsDataModule, "manual": DictDigits, "tokens": TokenStream}[experiment]()
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    return Counter(i for batch in loader for i in sample_ids(batch))
+
+
+def recorded(run_dir) -> list[list[dict]]:
+    """Each rank's recorded batches (epoch, step, ids), in order."""
+    files = sorted((run_dir / "samples").glob("rank*.jsonl"))
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+def per_epoch(batches: list[dict], epoch: int) -> list[dict]:
+    return [b for b in batches if b["epoch"] == epoch]
+
+
+def run(tmp_path, experiment: str, *overrides: str, **kwargs):
+    return train(tmp_path, f"experiment={experiment}", SEARCHPATH, *RECORD, *overrides, env=PROBES, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    runs = {}
+    for experiment in EXPERIMENTS:
+        tmp_path = tmp_path_factory.mktemp(f"one_{experiment}")
+        proc = run(tmp_path, experiment)
+        runs[experiment] = (run_dirs(tmp_path)[0], proc)
+    return runs
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_in_one_process_each_epoch_trains_every_sample_once_and_checkpoints_load_weights_only(one_process, experiment):
+    run_dir, proc = one_process[experiment]
+    expected = EXPERIMENTS[experiment]
+    (batches,) = recorded(run_dir)
+    everything = training_ids(experiment)
+    for epoch in (0, 1):
+        trained = per_epoch(batches, epoch)
+        assert len(trained) == expected["one"]
+        assert Counter(i for b in trained for i in b["ids"]) == everything
+    assert batches[-1]["step"] == (2 * expected["one"] - 1) * expected["steps_per_batch"]
+    for checkpoint in (run_dir / "checkpoints").glob("*.ckpt"):
+        torch.load(checkpoint, weights_only=True)  # whatever the module saved with save_hyperparameters
+    assert any(line.split()[:1] == ["run"] for line in proc.stdout.splitlines())  # the table and the run directory
+
+
+def test_the_templates_module_saves_its_net_and_partials_as_their_config_and_trains_what_lightning_trains(
+    one_process, tmp_path
+):
+    run_dir, _ = one_process["template"]
+    saved = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)["hyper_parameters"]
+    assert saved["net"]["_target_"] == "foreign.template.SimpleDenseNet" and saved["net"]["lin2_size"] == 128
+    assert saved["optimizer"] == {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.001, "weight_decay": 0.0}
+    assert saved["scheduler"]["_target_"] == "torch.optim.lr_scheduler.ReduceLROnPlateau"
+    # Lightning's own Trainer on the same module and DataModule, same seed: the same weights, bit for bit
+    script = textwrap.dedent(f"""
+        import lightning as L, torch
+        from hydra import compose, initialize_config_dir
+        from hydra.utils import instantiate
+        with initialize_config_dir(config_dir="{ROOT / "conf"}", version_base="1.3"):
+            cfg = compose("train", overrides=["experiment=template", "{SEARCHPATH}"])
+        L.seed_everything(cfg.seed, workers=True)
+        datamodule, model = instantiate(cfg.data), instantiate(cfg.model)
+        L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False).fit(model, datamodule=datamodule)
+        torch.save(model.state_dict(), "{tmp_path / "lightning.pt"}")
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, env=with_env(PROBES))
+    lightning = torch.load(tmp_path / "lightning.pt", weights_only=True)
+    ours = model_weights(run_dir)
+    assert ours.keys() == lightning.keys() and all(torch.equal(ours[k], lightning[k]) for k in ours)
+
+
+def test_a_task_that_logs_no_monitored_metric_keeps_no_best_checkpoint_says_so_once_and_tests_its_final_weights(
+    one_process,
+):
+    run_dir, proc = one_process["manual"]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("monitor=val/acc: the model logs no such")]
+    assert len(said) == 1 and "(it logs train_loss, valid_acc)" in said[0]
+    assert not (run_dir / "checkpoints" / "best.ckpt").exists() and "test_acc" in read_metrics(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_under_ddp_each_rank_trains_lightnings_share_and_every_sample_once_an_epoch(experiment, tmp_path):
+    expected = EXPERIMENTS[experiment]
+    run(tmp_path, experiment, "strategy=ddp", "devices=2")
+    (run_dir,) = run_dirs(tmp_path)
+    ranks = recorded(run_dir)
+    everything = training_ids(experiment)
+    padded = 2 * math.ceil(expected["samples"] / 2)  # Lightning's DistributedSampler repeats samples to even shares
+    for epoch in (0, 1):
+        assert [len(per_epoch(batches, epoch)) for batches in ranks] == [expected["two"]] * 2
+        seen = Counter(i for batches in ranks for b in per_epoch(batches, epoch) for i in b["ids"])
+        assert seen.keys() == everything.keys()
+        assert sum(seen.values()) == (expected["samples"] if experiment == "tokens" else padded)
+    assert (run_dir / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_under_fsdp_stopped_mid_epoch_and_resumed_it_trains_the_steps_lightning_gives_and_says_what_it_trains_again(
+    experiment, tmp_path
+):
+    expected = EXPERIMENTS[experiment]
+    again = ["strategy=fsdp", "devices=2", f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
+    step, *logging = expected["stop"]
+    again += logging
+    stop = ["+callbacks.stop._target_=probes.SigtermAtStep", f"+callbacks.stop.step={step}"]
+    stopped = run(tmp_path, experiment, *again, *stop, expect_ok=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    before = [len(per_epoch(batches, 1)) for batches in recorded(tmp_path / "run")]
+    assert 0 < before[0] == before[1] < expected["two"]  # stopped mid second epoch
+    resumed = run(tmp_path, experiment, *again)
+    assert (
+        f"resumed in epoch 2 after {before[0]} of its batches: {experiment_datamodule(experiment)} does not shard"
+        " itself, so Lightning starts this epoch's batches again from its first" in resumed.stdout
+    )
+    for batches in recorded(tmp_path / "run"):
+        second = per_epoch(batches, 1)
+        stopped_part, again_from_first = second[: before[0]], second[before[0] :]
+        both = min(len(stopped_part), len(again_from_first))  # the epoch's first batches, trained before and again
+        assert [b["ids"] for b in again_from_first[:both]] == [b["ids"] for b in stopped_part[:both]]
+        # a DataLoader with a length ends the epoch at its count of batches; an IterableDataset when it runs out
+        assert len(again_from_first) == (expected["two"] if experiment == "tokens" else expected["two"] - before[0])
+    metrics = read_metrics(tmp_path / "run")
+    assert any(k.startswith("test") for k in metrics)
+
+
+def experiment_datamodule(experiment: str) -> str:
+    return {"template": "DigitsDataModule", "manual": "DictDigits", "tokens": "TokenStream"}[experiment]
