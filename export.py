@@ -1,9 +1,13 @@
 """Export a trained model to a file that runs without this starter: `python export.py ckpt_path=... format=onnx`
 (conf/export.yaml)."""
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
 from starter.launch.run_name import run_name
 
@@ -17,5 +21,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_choices(Path(__file__).parent / "conf", "export", sys.argv[1:])
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main)

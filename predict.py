@@ -1,8 +1,12 @@
 """Predict image files with a trained model: `python predict.py ckpt_path=... inputs=...` (conf/predict.yaml)."""
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
 from starter.launch.run_name import run_name
 
@@ -16,5 +20,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_choices(Path(__file__).parent / "conf", "predict", sys.argv[1:])
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main)

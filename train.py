@@ -9,6 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
 from starter.launch.run_name import run_name
 
@@ -25,5 +26,6 @@ if __name__ == "__main__":
         from starter.main import usage
 
         raise SystemExit(print(usage(Path(__file__).parent / "conf")))
+    check_choices(Path(__file__).parent / "conf", "train", sys.argv[1:])
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main)

@@ -155,6 +155,13 @@ def test_help_lists_config_groups():
         (["stop_signals=[SIGTERM,SIGSTOPP]"], "stop_signals: SIGSTOPP is no signal here; use names such as SIGTERM"),
         (["ckpt_path=/nonexistent/x.ckpt"], "no such file"),
         (["ckpt_path=last"], "no checkpoints/last.ckpt"),
+        # one copy of each device key: Lightning's own (trainer.devices=2) would start its launcher behind ours
+        (["trainer.devices=2"], "^trainer.devices=2: set devices=2 instead; the top-level key is the one"),
+        (["trainer.num_nodes=2"], "^trainer.num_nodes=2: set num_nodes=2 instead"),
+        (["trainer.accelerator=cpu"], "^trainer.accelerator=cpu: set accelerator=cpu instead"),
+        (["+trainer.strategy=ddp"], "^trainer.strategy=ddp: set strategy=ddp \\(a config group: conf/strategy/\\)"),
+        (["+trainer.precision=bf16-mixed"], "^trainer.precision=bf16-mixed: set precision=bf16-mixed instead"),
+        (["data._target_=not_a_package.Data"], "^data._target_=not_a_package.Data: cannot import it"),
     ],
 )
 def test_bad_config_is_refused_before_training(overrides, message, tmp_path):

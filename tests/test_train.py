@@ -3,13 +3,15 @@
 import csv
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import compose_config, max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
 
 LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
 
@@ -218,13 +220,30 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
         "error: data.batch_size=63 is the global batch and does not divide by the 2 processes;"
         " use a multiple of 2, e.g. data.batch_size=62"
     ]
-    assert not list(tmp_path.glob("logs/train/runs/*/checkpoints"))
+    assert not list(tmp_path.glob("logs/train/runs/*"))  # a run refused before it started leaves no directory
 
 
-def test_unknown_group_option_names_the_valid_ones(tmp_path):
-    proc = train(tmp_path, "strategy=fdsp", expect_ok=False)
-    assert proc.returncode != 0
-    assert "Could not find 'strategy/fdsp'" in proc.stderr and "ddp_spawn" in proc.stderr
+@pytest.mark.parametrize(
+    "script,overrides,line",
+    [
+        ("train.py", ["strategy=fdsp"], "strategy=fdsp: no such option; choose one of auto, ddp, ddp_spawn, dp, fsdp,"),
+        ("train.py", ["-m", "seed=1,2", "model=mlp,cnn,mpl"], "model=mpl: no such option; choose one of cnn, mlp,"),
+        ("predict.py", ["strategy=dpp", "inputs=x"], "strategy=dpp: no such option; choose one of auto, ddp,"),
+        # a config folder of one's own adds its options (tests/foreign/conf: data=dict_digits, ...)
+        (
+            "train.py",
+            [f"hydra.searchpath=[file://{ROOT / 'tests' / 'foreign' / 'conf'}]", "data=dict_digit"],
+            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, synthetic,",
+        ),
+    ],
+)
+def test_an_unknown_group_option_is_one_line_exit_2_and_no_run_directory(script, overrides, line, tmp_path):
+    command = [sys.executable, str(ROOT / script), *overrides, f"paths.log_dir={tmp_path / 'logs'}"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (said,) = proc.stderr.splitlines()
+    assert said.startswith(f"error: {line}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing made: no logs/, no outputs/
 
 
 def test_metrics_json_is_flat_json(default_run):

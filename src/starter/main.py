@@ -5,6 +5,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ TRAIN = "starter.run:run"  # the job each process runs: "module:function", calle
 def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     logging.captureWarnings(True)  # Python's warnings to the log file (loggers/console.py); the console's are ours
+    layout = None
     try:
         layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
@@ -58,8 +60,21 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
                 time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
         else:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+            if layout is None and process_rank() == 0:
+                _remove_unstarted_run_dir()
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def _remove_unstarted_run_dir() -> None:
+    """A run refused before anything started leaves no run directory: Hydra made it, with its own records only."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+    if (
+        run_dir is not None
+        and run_dir.is_dir()
+        and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+    ):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def usage(conf: Path) -> str:

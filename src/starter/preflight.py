@@ -7,7 +7,7 @@ import logging
 import signal
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
@@ -69,6 +69,7 @@ def data_shards_itself(data: DictConfig) -> bool:
 def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     """What every run settles (training, predict): precision, devices, layout, equal shares of `global_batch` (None:
     a batch that is each process's own)."""
+    _check_one_copy(cfg)
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
@@ -89,6 +90,21 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     if launched_by(layout.world, traits.multi_process) == "ours":
         check_rendezvous(layout.nodes)
     return layout
+
+
+def _check_one_copy(cfg: DictConfig) -> None:
+    """`accelerator`, `devices`, `num_nodes`, `precision` and `strategy` are top-level keys, the ones the checks and the
+    launcher read; `trainer.<key>` follows them (`${key}`) or is absent. One set there instead (`trainer.devices=2`,
+    as Lightning + Hydra templates choose devices) would start Lightning's own launcher behind ours: refused."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=False) if "trainer" in cfg else {}
+    for key in ("accelerator", "devices", "num_nodes", "precision", "strategy"):
+        if key in trainer and trainer[key] != f"${{{key}}}":
+            value = trainer[key] if not isinstance(trainer[key], dict) else trainer[key].get("_target_", "...")
+            instead = f"strategy={value} (a config group: conf/strategy/)" if key == "strategy" else f"{key}={value}"
+            raise UserError(
+                f"trainer.{key}={value}: set {instead} instead; the top-level key is the one this starter checks and"
+                " launches by"
+            )
 
 
 def _settle_accelerator_and_devices(cfg: DictConfig) -> None:

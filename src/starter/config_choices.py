@@ -1,0 +1,58 @@
+"""A config-group option that does not exist (`strategy=dpp`) is one line and exit 2 before Hydra composes anything, so
+no run directory is made: the options are read off the config folders (conf/, `--config-dir`, and each
+`hydra.searchpath` the command line or the primary config names). Groups none of them holds are left to Hydra."""
+
+import importlib.resources
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from starter.errors import USER_ERROR_EXIT_CODE
+
+
+def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
+    """Exit 2 with one line on stderr where an override names an option that no config folder holds."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args = [a for a in argv if not a.startswith("-") and "=" in a and not _flag_value(argv, a)]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return  # Hydra says what is wrong with the syntax
+    folders = config_folders(conf, config_name, argv, overrides)
+    for override in overrides:
+        group = override.key_or_group
+        if override.is_delete() or group.startswith("hydra") or not any((f / group).is_dir() for f in folders):
+            continue
+        for option in override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]:
+            if isinstance(option, str) and not any((f / group / f"{option}.yaml").is_file() for f in folders):
+                options = sorted({p.stem for f in folders if (f / group).is_dir() for p in (f / group).glob("*.yaml")})
+                print(f"error: {group}={option}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
+                raise SystemExit(USER_ERROR_EXIT_CODE)
+
+
+def config_folders(conf: Path, config_name: str, argv: list[str], overrides) -> list:
+    folders = [conf] + [Path(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--config-dir", "-cd")]
+    paths = [str(p) for o in overrides if o.key_or_group == "hydra.searchpath" for p in o.value()]
+    for primary in (conf / f"{config_name}.yaml", conf / "hydra" / "default.yaml"):
+        saved = OmegaConf.load(primary) if primary.is_file() else {}
+        paths += list(OmegaConf.select(saved, "hydra.searchpath") or OmegaConf.select(saved, "searchpath") or [])
+    for path in paths:
+        if path.startswith("file://"):
+            folders.append(Path(path.removeprefix("file://")))
+        elif path.startswith("pkg://"):
+            try:
+                folders.append(importlib.resources.files(path.removeprefix("pkg://").replace("/", ".")))
+            except ModuleNotFoundError:
+                continue
+        else:
+            folders.append(Path(path))
+    return folders
+
+
+def _flag_value(argv: list[str], arg: str) -> bool:
+    """Whether `arg` is the value of a flag (`--config-name NAME`, `-cd DIR`), not an override."""
+    index = argv.index(arg)
+    return index > 0 and argv[index - 1].startswith("-") and argv[index - 1] not in ("-m", "--multirun")
