@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import PROBES, ROOT, model_weights, read_metrics, run_dirs, train, with_env
+from conftest import PROBES, ROOT, model_weights, predict, read_metrics, run_dirs, train, with_env
 from probes import sample_ids
 
 FOREIGN = ROOT / "tests" / "foreign"
@@ -119,6 +119,19 @@ def test_a_task_that_logs_no_monitored_metric_keeps_no_best_checkpoint_says_so_o
     said = [line for line in proc.stdout.splitlines() if line.startswith("monitor=val/acc: the model logs no such")]
     assert len(said) == 1 and "(it logs train_loss, valid_acc)" in said[0]
     assert not (run_dir / "checkpoints" / "best.ckpt").exists() and "test_acc" in read_metrics(run_dir)
+
+
+def test_predict_on_a_run_whose_datamodule_recorded_no_images_says_what_it_needs_in_one_line(one_process, tmp_path):
+    from PIL import Image
+
+    run_dir, _ = one_process["template"]
+    Image.new("L", (8, 8)).save(tmp_path / "digit.png")
+    proc = predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={tmp_path / 'digit.png'}", expect_ok=False)
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and line.endswith(
+        "its run's DataModule recorded no image_shape, value_range, mean, std, classes, resize, crop (an image"
+        " classifier's inference record, which a ShardedDataModule writes); predict.py and export.py need one"
+    )
 
 
 @pytest.mark.slow

@@ -11,6 +11,9 @@ from starter.checkpointing.record import check_record
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.errors import UserError
 
+# what ShardedDataModule.inference() records, which predicting from image files needs
+IMAGE_RECORD = ("image_shape", "value_range", "mean", "std", "classes", "resize", "crop")
+
 
 class SaveInference(L.Callback):
     def __init__(self, model: dict):
@@ -48,6 +51,11 @@ def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModul
         raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
                         " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
     record = saved["inference"]
+    if missing := [key for key in IMAGE_RECORD if key not in record]:
+        raise UserError(
+            f"ckpt_path={path}: its run's DataModule recorded no {', '.join(missing)} (an image classifier's inference"
+            " record, which a ShardedDataModule writes); predict.py and export.py need one"
+        )
     check_record(record, builders, f"ckpt_path={path}")
     model = instantiate(record["model"])
     if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
