@@ -161,7 +161,7 @@ def test_help_lists_config_groups():
         (["trainer.accelerator=cpu"], "^trainer.accelerator=cpu: set accelerator=cpu instead"),
         (["+trainer.strategy=ddp"], "^trainer.strategy=ddp: set strategy=ddp \\(a config group: conf/strategy/\\)"),
         (["+trainer.precision=bf16-mixed"], "^trainer.precision=bf16-mixed: set precision=bf16-mixed instead"),
-        (["data._target_=not_a_package.Data"], "^data._target_=not_a_package.Data: cannot import it"),
+        (["data._target_=not_a_package.Data"], "^data._target_=not_a_package.Data: no module not_a_package \\(is"),
     ],
 )
 def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
@@ -199,3 +199,23 @@ def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
     cfg = compose_config(["accelerator=gpu", "strategy=dp", "devices=2", "precision=16-mixed"], tmp_path)
     prepare(cfg)  # dp on 2 GPUs with real fp16: allowed, nothing redirected
     assert cfg.precision == "16-mixed"
+
+
+def test_what_a_datamodule_declares_is_read_off_its_source_as_its_class_says_it(tmp_path):
+    # preflight reads `shards_itself` without importing the DataModule (no torch before launch): it must agree with
+    # the class itself, which run.py reads, for every shipped DataModule, foreign ones and one that turns it off
+    from hydra.utils import get_object
+
+    from starter.declared import declared
+
+    off = "from starter.data.digits import DigitsDataModule as D\n\n\nclass Off(D):\n    shards_itself = False\n"
+    (tmp_path / "turned_off.py").write_text(off)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        targets = [OmegaConf.load(p)._target_ for p in sorted((CONF / "data").glob("*.yaml"))]
+        targets += ["foreign.template.DigitsDataModule", "foreign.tokens.TokenStream", "turned_off.Off"]
+        for target in targets:
+            assert bool(declared(target, "shards_itself")) == getattr(get_object(target), "shards_itself", False)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert declared("turned_off.Off", "shards_itself") is False and declared("turned_off.Off", "other") is None

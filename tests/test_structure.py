@@ -11,8 +11,8 @@ from conftest import ROOT
 PACKAGE = ROOT / "src" / "starter"
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors"},
-    {"topology", "loggers", "checkpointing", "models", "callbacks"},
+    {"errors", "declared"},
+    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices"},
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run"},

@@ -11,7 +11,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
-from starter.errors import UserError, one_line
+from starter.declared import declared
+from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
@@ -56,14 +57,10 @@ def prepare(cfg: DictConfig) -> Layout:
 
 def data_shards_itself(data: DictConfig) -> bool:
     """Whether the DataModule declares that it shards its data itself (`shards_itself = True`, as ShardedDataModule
-    does): then `data.batch_size` is the global batch. Any other is sharded as Lightning shards it (its
-    DistributedSampler), with the batch size its DataLoaders give. Read off its class, which this imports."""
-    from hydra.utils import get_object
-
-    try:
-        return bool(getattr(get_object(data._target_), "shards_itself", False))
-    except Exception as err:
-        raise UserError(f"data._target_={data.get('_target_')}: cannot import it ({one_line(err)})") from None
+    does): then `data.batch_size` is the global batch, checked here. Any other is sharded as Lightning shards it (its
+    DistributedSampler), with the batch size its DataLoaders give. Read off its class's source (declared.py); what
+    the source does not say is decided by the class itself in each process (run.py), and checked there."""
+    return "_target_" in data and bool(declared(str(data._target_), "shards_itself", key="data._target_"))
 
 
 def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
