@@ -81,6 +81,7 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
         "strategy=fsdp",
         f"ckpt_path={last}",
         *SHORT[:2],
+        *SHORT[5:],  # its optimizer
         "debug=limit",
         "trainer.max_epochs=5",
         "trainer.log_every_n_steps=1",

@@ -68,7 +68,7 @@ def weights_file(tmp_path, model: str, *overrides: str):
     return path
 
 
-def export(tmp_path, path, fmt: str):
+def export(tmp_path, path, fmt: str, config_dirs=(CONF,)):
     from omegaconf import OmegaConf
 
     from starter.checkpointing.record import model_builders
@@ -76,7 +76,7 @@ def export(tmp_path, path, fmt: str):
 
     out = tmp_path / fmt
     out.mkdir()
-    builders = sorted(model_builders([CONF]))  # what predict.py's and export.py's prepare() read off conf/model/
+    builders = sorted(model_builders(config_dirs))  # what export.py's prepare() reads off each config folder's model/
     cfg = OmegaConf.create({"ckpt_path": str(path), "format": fmt, "tolerance": 1e-4, "seed": 0, "accelerator": "cpu",
                             "paths": {"output_dir": str(out)}, "model_builders": builders})  # fmt: skip
     export(cfg)
@@ -115,8 +115,11 @@ def test_a_net_that_cannot_be_exported_is_refused_in_one_line(tmp_path):
 
     path = weights_file(tmp_path, "mlp", "model.net._target_=probes.TakesBranches", "~model.net.width",
                         "~model.net.depth")  # fmt: skip
+    own = tmp_path / "conf"  # a config folder of one's own naming the net (hydra.searchpath)
+    (own / "model").mkdir(parents=True)
+    (own / "model" / "branches.yaml").write_text("net:\n  _target_: probes.TakesBranches\n")
     with pytest.raises(UserError, match="TakesBranches does not export to torch_export: "):
-        export(tmp_path, path, "torch_export")
+        export(tmp_path, path, "torch_export", (CONF, own))
     assert not list((tmp_path / "torch_export").iterdir())  # nothing half-made is left
 
 
