@@ -20,6 +20,7 @@ from conftest import (
     read_metrics,
     run_dirs,
     train,
+    trained_weights,
 )
 
 
@@ -175,6 +176,23 @@ def test_nothing_a_checkpoint_names_is_called_by_predict_export_or_init_from(def
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
         assert proc.returncode == 2 and line.startswith(f"error: {key}={path}: its inference record {refused}")
     assert not written.exists()
+
+
+def test_the_model_summary_leaves_the_weights_it_describes_as_they_were_loaded(tmp_path):
+    # a resnet18 started from weights whose BatchNorm statistics are 2.0 and 5.0, trained 0 steps, with its summary
+    data = ["model=resnet18", "data=synthetic", "data.image_shape=[3,32,32]", "data.num_classes=4", "test=false"]
+    start = trained_weights(tmp_path / "start", *data, "trainer.max_epochs=0")
+    stats = {k: torch.full_like(v, 2.0 if k.endswith("running_mean") else 5.0) for k, v in start.items()
+             if k.endswith(("running_mean", "running_var"))}  # fmt: skip
+    torch.save({**start, **stats}, tmp_path / "loaded.pt")
+    summarised = [
+        "trainer.enable_model_summary=true",
+        "trainer.limit_train_batches=0",
+        f"init_from={tmp_path / 'loaded.pt'}",
+    ]
+    after = trained_weights(tmp_path / "run", *data, *summarised)
+    assert all(torch.equal(after[k], v) for k, v in stats.items())
+    assert all(int(v) == 0 for k, v in after.items() if k.endswith("num_batches_tracked"))
 
 
 @pytest.mark.slow

@@ -70,13 +70,15 @@ def log_model_summary(model, image_shape) -> None:
     net = getattr(model, "net", model)
     rows = [(name, type(layer).__name__, sum(p.numel() for p in layer.parameters()))
             for name, layer in net.named_children()]  # fmt: skip
-    flops = "not counted"
-    try:
+    flops, training = "not counted", net.training
+    try:  # in eval mode: a forward in training mode would move BatchNorm's statistics and draw dropout's numbers
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            net(torch.zeros(1, *image_shape))
+            net.eval()(torch.zeros(1, *image_shape))
         flops = f"{counter.get_total_flops() / 1e6:.4g} MFLOPs per image"
     except Exception:  # a net of one's own that takes other input
         pass
+    finally:
+        net.train(training)
     width = max([len(name) for name, _, _ in rows] + [5])
     lines = [f"{name:<{width}}  {kind:<20}  {count:>12,}" for name, kind, count in rows]
     total = sum(p.numel() for p in net.parameters())
