@@ -32,6 +32,8 @@ def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, dig
     assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)  # best.ckpt: what the run tested
     assert all(f"{r['path']},{r['class']}," in proc.stdout for r in rows[:5])  # the first rows shown
     assert rows[0].keys() == {"path", "class", "probability", "top5"}  # more than 5 classes: the top 5
+    best = run_dir / "checkpoints" / "best.ckpt"
+    assert f"ckpt_path={run_dir}: {best}, trained in {run_dir}\n" in proc.stdout  # which weights, from which run
     fp16 = predict(tmp_path / "fp16", f"ckpt_path={run_dir}", f"inputs={digit_files}", "precision=16-mixed")
     half = predictions(fp16)
     assert len(half) == 271 and abs(correct(half) - correct(rows)) <= 2  # fp16 autocast, as in training

@@ -11,7 +11,7 @@ from torch import nn
 from starter.checkpointing.record import model_builders
 from starter.errors import UserError
 from starter.loggers.report import shown
-from starter.predict import weights_path
+from starter.predict import said_weights_path
 from starter.preflight import settle
 from starter.topology import Layout
 
@@ -27,7 +27,7 @@ def prepare(cfg: DictConfig) -> Layout:
     layout = settle(cfg, 1)
     if layout.world != 1:
         raise UserError("export runs one process: leave devices and num_nodes at 1")
-    cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    cfg.ckpt_path = str(said_weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
     with open_dict(cfg):
         cfg.model_builders = sorted(model_builders())
     return layout

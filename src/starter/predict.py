@@ -26,7 +26,7 @@ def prepare(cfg: DictConfig) -> Layout:
     if not traits.whole_weights:
         raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
                         " a checkpoint of any strategy loads into either")  # fmt: skip
-    cfg.ckpt_path = str(weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
+    cfg.ckpt_path = str(said_weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
     with open_dict(cfg):  # for the workers, which have no Hydra run to read them from
         cfg.model_builders = sorted(model_builders())
     run_dir = Path(cfg.paths.output_dir)
@@ -50,6 +50,15 @@ def weights_path(spec: str, log_dir: Path) -> Path:
             return candidate
     if not path.exists() or (path / "checkpoints").is_dir():
         raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
+    return path
+
+
+def said_weights_path(spec: str, log_dir: Path) -> Path:
+    """weights_path, and one line naming the checkpoint and the run that trained it (`last` may be any run's)."""
+    path = weights_path(spec, log_dir)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+    trained = f", trained in {shown(run_dir)}" if run_dir is not None and (run_dir / "config.yaml").is_file() else ""
+    log.info("ckpt_path=%s: %s%s", spec, shown(path), trained)
     return path
 
 
