@@ -98,10 +98,14 @@ def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logi
     pixels = torch.randint(0, 256, shape, dtype=torch.uint8)
     if fmt == "torch_export":  # torch alone runs it
         got = torch.export.load(exported).module()(pixels)
-    else:
+    else:  # one file: moved alone to another directory, it loads
         import onnxruntime
 
-        session = onnxruntime.InferenceSession(str(exported), providers=["CPUExecutionProvider"])
+        assert sorted(p.name for p in exported.parent.iterdir()) == ["model.onnx"]
+        alone = tmp_path / "elsewhere" / "model.onnx"
+        alone.parent.mkdir()
+        exported.rename(alone)
+        session = onnxruntime.InferenceSession(str(alone), providers=["CPUExecutionProvider"])
         got = torch.from_numpy(session.run(None, {"images": pixels.numpy()})[0])
     from starter.checkpointing.inference import load_for_inference
     from starter.checkpointing.record import model_builders
@@ -111,6 +115,15 @@ def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logi
     with torch.no_grad():
         expected = model_((pixels.float() / 255 - mean) / std)
     assert (got - expected).abs().max() <= 1e-4
+
+
+def test_an_onnx_model_past_the_limit_keeps_its_weights_beside_it_and_says_so(tmp_path, capsys, monkeypatch):
+    import starter.export
+
+    monkeypatch.setattr(starter.export, "ONNX_INSIDE_LIMIT", 1)  # as if the MLP's weights passed ONNX's 2 GB
+    exported = export(tmp_path, weights_file(tmp_path, "mlp"), "onnx")
+    assert sorted(p.name for p in exported.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert "GB of weights in model.onnx.data: move the two together)" in capsys.readouterr().out
 
 
 def test_a_net_that_cannot_be_exported_is_refused_in_one_line(tmp_path):

@@ -17,6 +17,7 @@ from starter.topology import Layout
 
 FORMATS = {"onnx": "model.onnx", "torch_export": "model.pt2"}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+ONNX_INSIDE_LIMIT = 2**31 - 2**26  # bytes of weights kept inside model.onnx: 2 GiB less room for the graph
 
 
 def prepare(cfg: DictConfig) -> Layout:
@@ -63,11 +64,14 @@ def export(cfg: DictConfig) -> dict:
     shape, generator = record["image_shape"], torch.Generator().manual_seed(int(cfg.seed))
     traced, check = (torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=generator) for n in (2, 3))
     batch = {"images": {0: torch.export.Dim("batch", min=1, max=4096)}}
+    # ONNX keeps the weights inside the file up to its 2 GB protobuf limit; above it, in model.onnx.data beside it
+    weights = sum(t.numel() * t.element_size() for t in (*pixels.parameters(), *pixels.buffers()))
+    external = cfg.format == "onnx" and weights >= ONNX_INSIDE_LIMIT
     try:
         with torch.no_grad():
             if cfg.format == "onnx":
                 torch.onnx.export(pixels, (traced,), out, input_names=["images"], output_names=["logits"],
-                                  dynamic_shapes=batch, dynamo=True, verbose=False)  # fmt: skip
+                                  dynamic_shapes=batch, dynamo=True, external_data=external, verbose=False)  # fmt: skip
                 import onnxruntime
 
                 session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -80,13 +84,16 @@ def export(cfg: DictConfig) -> dict:
         raise
     except Exception as err:
         out.unlink(missing_ok=True)
+        out.with_name(f"{out.name}.data").unlink(missing_ok=True)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{type(net).__name__} does not export to {cfg.format}: {first}") from err
     if not difference <= float(cfg.tolerance):
         out.unlink(missing_ok=True)
+        out.with_name(f"{out.name}.data").unlink(missing_ok=True)
         raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
                         f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
     c, h, w = shape
-    print(f"exported {shown(out)}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out; checked"
-          f" on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
+    beside = f" (its {weights / 1e9:.1f} GB of weights in {out.name}.data: move the two together)" if external else ""
+    print(f"exported {shown(out)}{beside}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out;"
+          f" checked on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
     return {}
