@@ -241,6 +241,14 @@ class TakesBranches(torch.nn.Module):
         return logits if float(images.mean()) > 0 else -logits
 
 
+class DiffersWhenTraced(TakesBranches):
+    """A net whose output differs when it is traced for an export (torch.compiler.is_exporting), as a net does whose
+    Python side changes what it computes: the exported model's logits are not the model's."""
+
+    def forward(self, images):
+        return self.linear(images.flatten(1)) + (1.0 if torch.compiler.is_exporting() else 0.0)
+
+
 class RecordModules(L.Callback):
     """At the end of the test, writes which of this starter's modules the process has imported."""
 

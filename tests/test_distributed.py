@@ -31,6 +31,10 @@ def test_two_processes_match_one_process_in_one_run_directory(strategy, referenc
     # same weights up to float summation order.
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5
 
+    # images/s counts the global batch: 5 steps of 64 images in the last epoch's time
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train/images_per_s"] * metrics["train/epoch_time"] == pytest.approx(5 * 64, rel=1e-3)
+
     checkpoints = sorted(p.name for p in run_dir.rglob("*.ckpt"))
     assert checkpoints == ["best.ckpt", "last.ckpt"] and len(list(run_dir.rglob("metrics.csv"))) == 1
     lines = (proc.stdout + proc.stderr).splitlines()  # rank 0 speaks, rank 1 does not: each line once

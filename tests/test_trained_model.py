@@ -22,6 +22,7 @@ from conftest import (
     train,
     trained_weights,
 )
+from starter.data.digits import DigitsDataModule
 
 
 def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, digit_files, tmp_path):
@@ -29,6 +30,14 @@ def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, dig
     proc = predict(tmp_path, f"ckpt_path={run_dir}", f"inputs={digit_files}")
     rows = predictions(proc)
     assert [r["path"] for r in rows] == sorted(str(p) for p in digit_files.iterdir())  # each once, in input order
+    record = torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["inference"]
+    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)  # the run's data: its training split's statistics
+    digits.setup()
+    train = digits.train_set.images.float() / 255
+    assert record["mean"] == [pytest.approx(float(train.mean()))] and record["std"] == [
+        pytest.approx(float(train.std()))
+    ]
+    assert record["value_range"] == 255.0 and record["classes"] == [str(i) for i in range(10)]
     assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)  # best.ckpt: what the run tested
     assert all(f"{r['path']},{r['class']}," in proc.stdout for r in rows[:5])  # the first rows shown
     assert rows[0].keys() == {"path", "class", "probability", "top5"}  # more than 5 classes: the top 5
@@ -126,17 +135,25 @@ def test_an_onnx_model_past_the_limit_keeps_its_weights_beside_it_and_says_so(tm
     assert "GB of weights in model.onnx.data: move the two together)" in capsys.readouterr().out
 
 
-def test_a_net_that_cannot_be_exported_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    "net,fmt,refused",
+    [
+        ("TakesBranches", "torch_export", "TakesBranches does not export to torch_export: "),
+        # traced, but its logits are not the model's: the check against the model keeps nothing
+        ("DiffersWhenTraced", "onnx", "the onnx model's logits differ from the model's by [0-9.e+]+ \\(more than"),
+        ("DiffersWhenTraced", "torch_export", "the torch_export model's logits differ from the model's by"),
+    ],
+)
+def test_a_net_that_cannot_be_exported_as_it_is_is_refused_in_one_line(net, fmt, refused, tmp_path):
     from starter.errors import UserError
 
-    path = weights_file(tmp_path, "mlp", "model.net._target_=probes.TakesBranches", "~model.net.width",
-                        "~model.net.depth")  # fmt: skip
+    path = weights_file(tmp_path, "mlp", f"model.net._target_=probes.{net}", "~model.net.width", "~model.net.depth")
     own = tmp_path / "conf"  # a config folder of one's own naming the net (hydra.searchpath)
     (own / "model").mkdir(parents=True)
-    (own / "model" / "branches.yaml").write_text("net:\n  _target_: probes.TakesBranches\n")
-    with pytest.raises(UserError, match="TakesBranches does not export to torch_export: "):
-        export(tmp_path, path, "torch_export", (CONF, own))
-    assert not list((tmp_path / "torch_export").iterdir())  # nothing half-made is left
+    (own / "model" / "probe.yaml").write_text(f"net:\n  _target_: probes.{net}\n")
+    with pytest.raises(UserError, match=refused):
+        export(tmp_path, path, fmt, (CONF, own))
+    assert not list((tmp_path / fmt).iterdir())  # nothing half-made is left
 
 
 ZERO_EPOCHS = ["trainer.max_epochs=0", "test=false"]  # model.pt: the weights a run starts from
@@ -149,7 +166,8 @@ def test_init_from_starts_from_weights_only_a_head_of_another_class_count_fresh_
     assert "its head (net.5) has 10 outputs, this model 5 classes: the head starts freshly initialised" in proc.stdout
     source, started = model_weights(run_dir), model_weights(run_dirs(tmp_path / "run")[0])
     assert all(torch.equal(source[k], started[k]) for k in source if not k.startswith("net.5."))
-    assert started["net.5.weight"].shape == (5, 256)
+    fresh = trained_weights(tmp_path / "fresh", *ZERO_EPOCHS, *five)  # the same model, seed and data, from scratch
+    assert all(torch.equal(started[k], fresh[k]) for k in ("net.5.weight", "net.5.bias"))  # initialised, not copied
     net_only = {k.removeprefix("net."): v for k, v in source.items()}  # a plain state dict of the net
     torch.save(net_only, tmp_path / "net.pt")
     train(tmp_path / "plain", *ZERO_EPOCHS, f"init_from={tmp_path / 'net.pt'}")
