@@ -33,10 +33,9 @@ def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, dig
     record = torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["inference"]
     digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)  # the run's data: its training split's statistics
     digits.setup()
-    train = digits.train_set.images.float() / 255
-    assert record["mean"] == [pytest.approx(float(train.mean()))] and record["std"] == [
-        pytest.approx(float(train.std()))
-    ]
+    images = digits.train_set.images.float() / 255
+    assert record["mean"] == [pytest.approx(float(images.mean()))]
+    assert record["std"] == [pytest.approx(float(images.std()))]
     assert record["value_range"] == 255.0 and record["classes"] == [str(i) for i in range(10)]
     assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)  # best.ckpt: what the run tested
     assert all(f"{r['path']},{r['class']}," in proc.stdout for r in rows[:5])  # the first rows shown
