@@ -113,9 +113,17 @@ def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_
         )
         for rank in (0, 1)
     ]
+    said = []
     for node in nodes:
-        _, err = node.communicate(timeout=300)
+        out, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
+        said.append(out + err)
+    # each line once, from rank 0: also those said before a rank knows the run's console (torchrun's sizes)
+    assert [text.count("torchrun: devices=1 num_nodes=2 (from LOCAL_WORLD_SIZE and WORLD_SIZE)") for text in said] == [
+        1,
+        0,
+    ]
+    assert [text.count("train: data=digits model=mlp") for text in said] == [1, 0]
     (run_dir,) = run_dirs(tmp_path)  # one directory: the nodes share rank 0's run name
     assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # float summation order only

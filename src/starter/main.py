@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
-from starter.launch.environment import launched_by
+from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
 from starter.topology import Layout, Traits, device_type, process_rank
@@ -28,6 +28,8 @@ TRAIN = "starter.run:run"  # the job each process runs: "module:function", calle
 def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     logging.captureWarnings(True)  # Python's warnings to the log file (loggers/console.py); the console's are ours
+    if (torchrun_id() is not None or slurm_tasks() > 1) and process_rank() > 0:
+        _quiet()  # ranks torchrun or srun started say their lines once, from rank 0, from the first line on
     layout = None
     try:
         layout = prepare(cfg)
@@ -37,7 +39,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
         with open_dict(cfg):  # the log file this job's Hydra writes, which rank 0's worker continues
             cfg.log_file = str(run_dir / f"{HydraConfig.get().job.name if HydraConfig.initialized() else 'train'}.log")
         config_path = save_resolved(cfg, run_dir / "config.yaml")
-        console(cfg, launcher)
+        console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, layout))
         if launcher == "ours":
             metrics = launch(cfg, config_path, layout, job)
@@ -86,13 +88,17 @@ def usage(conf: Path) -> str:
     return "\n".join([help_cfg.header, "== Config groups (group=option) ==", *options, "", config, help_cfg.footer])
 
 
-def console(cfg: DictConfig, launcher: str | None) -> None:
-    """verbose=true: every logger's lines on the console; ranks torchrun or srun started, but rank 0: warnings only."""
+def console(cfg: DictConfig) -> None:
+    """verbose=true: every logger's lines on the console."""
     for handler in logging.getLogger().handlers:
         if cfg.get("verbose") and isinstance(handler, logging.StreamHandler):
             handler.filters.clear()
-        if launcher in ("torchrun", "slurm") and process_rank() > 0:
-            handler.setLevel(max(handler.level, logging.WARNING))
+
+
+def _quiet() -> None:
+    """This process's lines at WARNING and above only, on the console and in the log file its rank 0 also writes."""
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def what_runs(cfg: DictConfig, layout: Layout) -> str:
