@@ -211,6 +211,18 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
         assert (job / "metrics.json").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
     assert seen == {("1", "MLP"), ("2", "MLP"), ("1", "CNN"), ("2", "CNN")}
     assert not (tmp_path / "logs" / "train" / "runs").exists() and proc.returncode == 0
+    # it ends with its answer: a table across the jobs, the best marked, and the same rows in summary.csv
+    with open(sweeps[0] / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    values = [read_metrics(job)["val/acc"] for job in jobs]
+    assert [float(r["val/acc"]) for r in rows] == values and [r["run_dir"] for r in rows] == [str(j) for j in jobs]
+    assert [int(r["best"]) for r in rows] == [int(v == max(values)) for v in values]
+    swept = [" ".join(o for o in r["overrides"].split() if o.startswith(("model=", "seed="))) for r in rows]
+    assert swept == ["model=mlp seed=1", "model=mlp seed=2", "model=cnn seed=1", "model=cnn seed=2"]
+    table = proc.stdout[proc.stdout.index("sweep of 4 job(s) by val/acc, the highest marked *:") :].splitlines()
+    best = values.index(max(values))  # each row: the overrides that differ between the jobs
+    assert table[1 + best].startswith(f"* job {best}   {swept[best]}  {values[best]:.4g}")
+    assert table[-1] == f"summary: {(sweeps[0] / 'summary.csv').relative_to(tmp_path)}"  # from where it ran
 
 
 def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):

@@ -1,0 +1,68 @@
+"""A Hydra callback: a multirun ends with its answer. One table across the jobs (each job's overrides, its monitored
+metric, the best marked, its run directory), the same rows in `<sweep dir>/summary.csv`, and the sweeper's own best
+where it wrote one (Optuna's best trial and its parameters)."""
+
+import csv
+import json
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+from starter.loggers.report import shown
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        rows = summary_rows(sweep)
+        if not rows:
+            return
+        monitor = rows[0]["monitor"]
+        write_summary(sweep / "summary.csv", rows)
+        shared = set.intersection(*(set(r["overrides"].split()) for r in rows)) if len(rows) > 1 else set()
+        swept = [" ".join(o for o in r["overrides"].split() if o not in shared) for r in rows]  # what differs
+        best = "highest" if rows[0]["mode"] == "max" else "lowest"
+        lines = [f"sweep of {len(rows)} job(s) by {monitor}, the {best} marked *:"]
+        width = max(len(s) for s in swept)
+        for row, own in zip(rows, swept):
+            value = f"{row['value']:.4g}" if row["value"] is not None else "-"
+            mark = "*" if row["best"] else " "
+            lines.append(f"{mark} job {row['job']:<3} {own:<{width}}  {value:<8}  {shown(row['run_dir'])}")
+        if (results := sweep / "optimization_results.yaml").is_file():
+            best = OmegaConf.load(results)
+            chosen = " ".join(f"{k}={v}" for k, v in best.best_params.items())
+            lines.append(f"optuna: best {monitor} {best.best_value:.4g} with {chosen}")
+        lines.append(f"summary: {shown(sweep / 'summary.csv')}")
+        print("\n".join(lines), flush=True)
+
+
+def summary_rows(sweep: Path) -> list[dict]:
+    """A row per job directory that holds a run's config: its number, overrides, monitored metric and whether that is
+    the best (None where the job left no figure: it failed or was stopped)."""
+    rows = []
+    for job in sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        if not (job / "config.yaml").is_file():
+            continue
+        config = OmegaConf.load(job / "config.yaml")
+        overrides = (
+            OmegaConf.load(job / ".hydra" / "overrides.yaml") if (job / ".hydra" / "overrides.yaml").is_file() else []
+        )
+        metrics = json.loads((job / "metrics.json").read_text()) if (job / "metrics.json").is_file() else {}
+        monitor, mode = str(config.get("monitor")), str(config.get("monitor_mode", "max"))
+        rows.append({"job": int(job.name), "overrides": " ".join(overrides), "monitor": monitor, "mode": mode,
+                     "value": metrics.get(monitor), "run_dir": job})  # fmt: skip
+    values = [r["value"] for r in rows if r["value"] is not None]
+    best = (max if rows and rows[0]["mode"] == "max" else min)(values) if values else None
+    for row in rows:
+        row["best"] = row["value"] is not None and row["value"] == best
+    return rows
+
+
+def write_summary(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["job", "overrides", rows[0]["monitor"], "best", "run_dir"])
+        for row in rows:
+            out.writerow([row["job"], row["overrides"], "" if row["value"] is None else row["value"], int(row["best"]),
+                          str(row["run_dir"])])  # fmt: skip
