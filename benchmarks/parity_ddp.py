@@ -7,6 +7,7 @@ of one epoch, REPEATS alternated runs. Writes results/parity_ddp.{md,json}.
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -22,7 +23,13 @@ from starter.data.mnist import MEAN, STD, MNISTDataModule
 from starter.models.nets.mlp import MLP
 
 
+def threads_per_process(world: int) -> int:
+    """What train.py's launcher gives each worker (torchrun's rule): the cores shared out, or OMP_NUM_THREADS."""
+    return int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // world)))
+
+
 def hand_ddp_worker(rank: int, world: int, data_dir: str, batch_size: int, port: int, output: str) -> None:
+    torch.set_num_threads(threads_per_process(world))  # as train.py's workers: not every core's threads in each
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     datamodule = MNISTDataModule(data_dir, download=False, image_shape=[1, 28, 28], num_classes=10)
     datamodule.setup()
@@ -82,7 +89,8 @@ def main() -> None:
           f"{min(ratios):.2f}-{max(ratios):.2f}", f"{overhead_ms:.2f}"]])  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     note = (
-        "\nThe tutorial loop's DataLoader fetches and collates the 64 samples of each rank's batch one by one;"
+        f"\nBoth run 2 processes of {threads_per_process(2)} thread(s) each on the same data, global batch and AdamW."
+        " The tutorial loop's DataLoader fetches and collates the 64 samples of each rank's batch one by one;"
         " this starter fetches a batch with one indexing op (data/in_memory.py). That data path, not the loop,"
         " decides this ratio; the loop's own cost is measured by the single-process parity above."
     )

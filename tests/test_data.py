@@ -244,3 +244,19 @@ def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
     x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
     assert x.shape == (4, 3, 224, 224) and x.dtype == torch.uint8  # made once, not per item
+
+
+def test_the_sharded_datamodule_of_docs_extending_runs_as_written_and_shards_the_global_batch():
+    from conftest import ROOT
+
+    text = (ROOT / "docs" / "extending.md").read_text()
+    snippet = text.split("<!-- the sharded data snippet -->\n```python\n")[1].split("```")[0]
+    written = {}
+    exec(snippet, written)
+    ranks = [as_rank(written["MyData"](batch_size=10, image_shape=[1, 8, 8], num_classes=3), 2, r) for r in (0, 1)]
+    for data in ranks:
+        data.setup()
+    batches = [next(iter(data.train_dataloader())) for data in ranks]
+    assert [len(images) for images, _ in batches] == [5, 5]  # the global batch of 10, shared by 2 ranks
+    assert torch.equal(ranks[0].train_set.images, ranks[1].train_set.images)  # one data set, two shares of it
+    assert len(ranks[0].val_dataloader().dataset) == 15 and ranks[0].shards_itself

@@ -8,7 +8,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import model_weights, plant, predict, predictions, read_metrics, run_dirs, train
+from conftest import ROOT, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
 from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -65,6 +65,9 @@ def test_fsdp_checkpoints_are_sharded_and_the_export_loads_into_a_plain_model(sh
     assert saved.count(True) == 2  # the link and the one directory it points at: older saves were deleted
     model = instantiate(OmegaConf.load(run_dir / "config.yaml").model)
     model.load_state_dict(model_weights(run_dir))  # strict, no prefix
+    # docs/modes.md's snippet, as it is written there
+    snippet = (ROOT / "docs" / "modes.md").read_text().split("<!-- the model.pt snippet -->\n```python\n")[1]
+    exec(snippet.split("```")[0], {"run_dir": str(run_dir)})
 
 
 def test_predict_reads_a_sharded_checkpoint_as_the_weights_it_holds(short_runs, digit_files, tmp_path):
