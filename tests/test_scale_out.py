@@ -1,5 +1,6 @@
 """Multirun sweeps with multi-process jobs, torchrun and its restarts, and two torchrun "nodes" on one machine."""
 
+import csv
 import os
 import re
 import signal
@@ -130,10 +131,45 @@ def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_
 
 
 def test_optuna_sweep_writes_the_best_value_and_parameters(tmp_path):
-    train(tmp_path, "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "devices=2",
-          "accelerator=cpu", "debug=limit")  # fmt: skip
+    proc = train(tmp_path, "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "strategy=ddp", "devices=2",
+                 "accelerator=cpu", "debug=limit")  # fmt: skip
     (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     results = OmegaConf.load(sweep / "optimization_results.yaml")
     assert set(results.best_params) == {"model.optimizer.lr", "model.net.width"}
     jobs = [read_metrics(job)["val/acc"] for job in sweep_jobs(tmp_path)]
-    assert len(jobs) == 2 and results.best_value == max(jobs)
+    assert len(jobs) == 2 and results.best_value == max(jobs)  # the figure each job returned: its last val/acc
+    import optuna
+
+    assert optuna.__version__.split(".")[0] in ("4", "5")  # a current Optuna, not hydra-optuna-sweeper's 2.x
+    chosen = " ".join(f"{k}={v}" for k, v in results.best_params.items())
+    assert f"optuna: best val/acc {results.best_value:.4g} (trial {results.best_trial}) with {chosen}" in proc.stdout
+
+
+OPTUNA_ONE_PROCESS = ["-m", "hparams_search=optuna", "accelerator=cpu", "debug=limit", "trainer.max_epochs=2"]
+
+
+def test_an_interrupted_optuna_sweep_continues_its_study_from_the_journal(tmp_path):
+    sweep = tmp_path / "sweep"
+    train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}")
+    first = (sweep / "0" / "metrics.json").read_text()
+    assert (sweep / "optuna.journal").is_file() and OmegaConf.load(sweep / "optimization_results.yaml").trials == 1
+    # the same command again, asking for 3 trials: the one finished is kept (not run again), 2 more are run
+    train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}")
+    assert (sweep / "0" / "metrics.json").read_text() == first
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
+    assert OmegaConf.load(sweep / "optimization_results.yaml").trials == 3
+
+
+def test_an_optuna_trial_that_falls_behind_is_pruned_after_its_validation(tmp_path):
+    # a pruner that prunes every figure below 2 (val/acc never is): the trial stops after its first epoch
+    prune = ["hydra.sweeper.n_trials=1", "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",
+             "~hydra.sweeper.pruner.n_startup_trials", "~hydra.sweeper.pruner.n_warmup_steps",
+             "+hydra.sweeper.pruner.lower=2.0"]  # fmt: skip
+    proc = train(tmp_path, *OPTUNA_ONE_PROCESS, *prune)
+    (job,) = sweep_jobs(tmp_path)
+    with open(job / "metrics.csv", newline="") as f:
+        assert {row["epoch"] for row in csv.DictReader(f) if row.get("val/acc")} == {"0"}  # one of two epochs
+    assert "optuna: trial 0 pruned after epoch 1 (val/acc" in proc.stdout
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    assert list(OmegaConf.load(sweep / "optimization_results.yaml").pruned_trials) == [0]
+    assert any(line.startswith("  job 0") and line.endswith("(pruned)") for line in proc.stdout.splitlines())

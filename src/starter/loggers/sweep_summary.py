@@ -15,7 +15,11 @@ from starter.loggers.report import shown
 class SweepSummary(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)
-        rows = summary_rows(sweep)
+        told = config.hydra.sweeper.get("pruning_key")  # the overrides that tell a job its trial: not a choice
+        found = sweep / "optimization_results.yaml"
+        results = OmegaConf.load(found) if found.is_file() else None
+        pruned = set(results.get("pruned_trials", [])) if results is not None else set()  # a job's number: its trial's
+        rows = summary_rows(sweep, f"{told}." if told else None, pruned)
         if not rows:
             return
         monitor = rows[0]["monitor"]
@@ -28,18 +32,19 @@ class SweepSummary(Callback):
         for row, own in zip(rows, swept):
             value = f"{row['value']:.4g}" if row["value"] is not None else "-"
             mark = "*" if row["best"] else " "
-            lines.append(f"{mark} job {row['job']:<3} {own:<{width}}  {value:<8}  {shown(row['run_dir'])}")
-        if (results := sweep / "optimization_results.yaml").is_file():
-            best = OmegaConf.load(results)
-            chosen = " ".join(f"{k}={v}" for k, v in best.best_params.items())
-            lines.append(f"optuna: best {monitor} {best.best_value:.4g} with {chosen}")
+            state = "  (pruned)" if row["job"] in pruned else ""
+            lines.append(f"{mark} job {row['job']:<3} {own:<{width}}  {value:<8}  {shown(row['run_dir'])}{state}")
+        if results is not None and results.best_trial is not None:
+            chosen = " ".join(f"{k}={v}" for k, v in results.best_params.items())
+            lines.append(f"optuna: best {monitor} {results.best_value:.4g} (trial {results.best_trial}) with {chosen}")
         lines.append(f"summary: {shown(sweep / 'summary.csv')}")
         print("\n".join(lines), flush=True)
 
 
-def summary_rows(sweep: Path) -> list[dict]:
-    """A row per job directory that holds a run's config: its number, overrides, monitored metric and whether that is
-    the best (None where the job left no figure: it failed or was stopped)."""
+def summary_rows(sweep: Path, hidden: str | None = None, pruned: set[int] = frozenset()) -> list[dict]:
+    """A row per job directory that holds a run's config: its number, overrides (but those under `hidden`), monitored
+    metric (None where the job left none: it failed or was stopped) and whether that is the best of the jobs not
+    `pruned`."""
     rows = []
     for job in sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
         if not (job / "config.yaml").is_file():
@@ -50,12 +55,13 @@ def summary_rows(sweep: Path) -> list[dict]:
         )
         metrics = json.loads((job / "metrics.json").read_text()) if (job / "metrics.json").is_file() else {}
         monitor, mode = str(config.get("monitor")), str(config.get("monitor_mode", "max"))
+        overrides = [o for o in overrides if not (hidden and o.startswith(hidden))]
         rows.append({"job": int(job.name), "overrides": " ".join(overrides), "monitor": monitor, "mode": mode,
                      "value": metrics.get(monitor), "run_dir": job})  # fmt: skip
-    values = [r["value"] for r in rows if r["value"] is not None]
+    values = [r["value"] for r in rows if r["value"] is not None and r["job"] not in pruned]
     best = (max if rows and rows[0]["mode"] == "max" else min)(values) if values else None
     for row in rows:
-        row["best"] = row["value"] is not None and row["value"] == best
+        row["best"] = row["value"] is not None and row["job"] not in pruned and row["value"] == best
     return rows
 
 

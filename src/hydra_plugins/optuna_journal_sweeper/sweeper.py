@@ -1,0 +1,140 @@
+"""A Hydra sweeper on current Optuna, ask and tell: each batch of trials asked of the study, launched as Hydra jobs by
+the configured launcher (one process, ddp inside each job, SLURM through submitit), and told their figure. The study
+lives in a journal file in the sweep directory (or `storage`): an interrupted sweep started again with the same
+`hydra.sweep.dir` continues it, and sweepers sharing the file share the study. A trial whose validation metric falls
+behind is pruned by the job itself (callbacks/optuna_pruning.py), told here as pruned. The best trial is written to
+<sweep dir>/optimization_results.yaml."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+JOURNAL = "optuna.journal"
+
+
+@dataclass
+class OptunaJournalSweeperConf:
+    _target_: str = "hydra_plugins.optuna_journal_sweeper.sweeper.OptunaJournalSweeper"
+    direction: str = "maximize"  # or minimize
+    n_trials: int = 10  # finished trials (complete or pruned) the study should hold
+    n_jobs: int = 1  # trials launched at once (a batch; the launcher runs them in parallel where it can)
+    study_name: str = "sweep"
+    storage: Any = None  # an Optuna storage URL; null: a journal file in the sweep directory
+    sampler: Any = None  # a `_target_` config, e.g. optuna.samplers.TPESampler
+    pruner: Any = None  # a `_target_` config, e.g. optuna.pruners.MedianPruner; read by the jobs' pruning callback
+    pruning_key: Any = None  # the job's config key of the pruning callback: told the trial, study and storage
+    params: dict = field(default_factory=dict)  # key: choice(...) | interval(a, b) | tag(log, interval(a, b)) | range
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="optuna_journal", node=OptunaJournalSweeperConf,
+                             provider="optuna_journal_sweeper")  # fmt: skip
+
+
+class OptunaJournalSweeper(Sweeper):
+    def __init__(self, direction, n_trials, n_jobs, study_name, storage, sampler, pruner, pruning_key, params):
+        self.direction, self.n_trials, self.n_jobs = str(direction), int(n_trials), max(1, int(n_jobs))
+        self.study_name, self.storage = str(study_name), storage
+        self.sampler, self.pruner, self.pruning_key = sampler, pruner, pruning_key
+        self.params = dict(params or {})
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)  # fmt: skip
+
+    def sweep(self, arguments: list[str]) -> None:
+        import optuna
+
+        optuna.logging.disable_default_handler()  # its lines through the job's logging: the log file, not the console
+        optuna.logging.enable_propagation()
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        storage = self.storage or f"journal:{sweep_dir / JOURNAL}"
+        study = optuna.create_study(study_name=self.study_name, storage=open_storage(storage),
+                                    sampler=built(self.sampler), pruner=built(self.pruner), direction=self.direction,
+                                    load_if_exists=True)  # fmt: skip
+        searched, fixed = search_space({**self.params, **dict(a.split("=", 1) for a in arguments if "=" in a)})
+        done = [
+            t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        ]
+        while len(done) < self.n_trials:
+            batch = [study.ask(searched) for _ in range(min(self.n_jobs, self.n_trials - len(done)))]
+            overrides = [[*fixed, *(f"{k}={v}" for k, v in t.params.items()), *self.told(t, storage)] for t in batch]
+            results = self.launcher.launch([tuple(o) for o in overrides], initial_job_idx=batch[0].number)
+            for trial, result in zip(batch, results):
+                frozen = study.trials[trial.number]
+                if frozen.user_attrs.get("pruned_at_epoch") is not None:
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                elif isinstance(result.return_value, (int, float)):
+                    study.tell(trial, float(result.return_value))
+                else:  # the job failed (Hydra raises its error when the result is read) or returned no figure
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    result.return_value  # noqa: B018
+                done.append(trial)
+        write_results(study, sweep_dir / "optimization_results.yaml")
+
+    def told(self, trial, storage: str) -> list[str]:
+        """The overrides that tell the job's pruning callback which trial it reports for."""
+        if not self.pruning_key:
+            return []
+        key = self.pruning_key
+        return [f"{key}.trial={trial.number}", f"{key}.study={self.study_name}", f"{key}.storage='{storage}'"]
+
+
+def built(node):
+    """A sampler or pruner: Hydra builds the sweeper's nested `_target_`s; one left a config is built here."""
+    return instantiate(node) if isinstance(node, (dict, DictConfig)) else node
+
+
+def open_storage(storage: str):
+    """A journal file (`journal:<path>`), which needs no server, or any storage URL Optuna takes."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if storage.startswith("journal:"):
+        return JournalStorage(JournalFileBackend(storage.removeprefix("journal:")))
+    return storage
+
+
+def search_space(params: dict) -> tuple[dict, list[str]]:
+    """(Optuna distributions of the swept keys, the plain overrides of the others) from Hydra's sweep syntax."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    parser, searched, fixed = OverridesParser.create(), {}, []
+    for key, spec in params.items():
+        (override,) = parser.parse_overrides([f"{key}={spec}"])
+        value = override.value()
+        log = "log" in getattr(value, "tags", set())
+        if isinstance(value, ChoiceSweep):
+            searched[key] = CategoricalDistribution(list(value.list))
+        elif isinstance(value, IntervalSweep):
+            ints = all(isinstance(v, int) for v in (value.start, value.end))
+            kind = IntDistribution if ints else FloatDistribution
+            searched[key] = kind(value.start, value.end, log=log)
+        elif isinstance(value, RangeSweep):
+            ints = all(isinstance(v, int) for v in (value.start, value.stop, value.step))
+            kind = IntDistribution if ints else FloatDistribution
+            searched[key] = kind(value.start, value.stop - value.step, step=value.step)
+        else:
+            fixed.append(f"{key}={spec}")
+    return searched, fixed
+
+
+def write_results(study, path: Path) -> None:
+    """The best complete trial (none where every trial was pruned or failed), and the pruned trials' numbers."""
+    import optuna
+
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    best = study.best_trial if complete else None
+    pruned = [t.number for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    results = {"name": "optuna", "best_trial": best and best.number, "best_params": best.params if best else {},
+               "best_value": best and best.value, "trials": len(study.trials), "pruned_trials": pruned}  # fmt: skip
+    OmegaConf.save(OmegaConf.create(results), path)
