@@ -210,6 +210,7 @@ def test_nothing_a_checkpoint_names_is_called_by_predict_export_or_init_from(def
     assert not written.exists()
 
 
+# full examples: begin
 def test_the_model_summary_leaves_the_weights_it_describes_as_they_were_loaded(tmp_path):
     # a resnet18 started from weights whose BatchNorm statistics are 2.0 and 5.0, trained 0 steps, with its summary
     data = ["model=resnet18", "data=synthetic", "data.image_shape=[3,32,32]", "data.num_classes=4", "test=false"]
@@ -227,6 +228,7 @@ def test_the_model_summary_leaves_the_weights_it_describes_as_they_were_loaded(t
     assert all(int(v) == 0 for k, v in after.items() if k.endswith("num_batches_tracked"))
 
 
+# full examples: end
 @pytest.mark.slow
 def test_a_backbone_frozen_for_an_epoch_keeps_its_weights_then_trains_alike_under_ddp(tmp_path):
     # SGD: ddp and one process differ by summation order only, which Adam's normalised steps would amplify past 1e-5

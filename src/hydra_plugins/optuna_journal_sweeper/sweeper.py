@@ -1,5 +1,5 @@
 """A Hydra sweeper on current Optuna, ask and tell: each batch of trials asked of the study, launched as Hydra jobs by
-the configured launcher (one process, ddp inside each job, SLURM through submitit), and told their figure. The study
+the configured launcher (one process or ddp inside each job, a cluster's jobs), and told their figure. The study
 lives in a journal file in the sweep directory (or `storage`): an interrupted sweep started again with the same
 `hydra.sweep.dir` continues it, and sweepers sharing the file share the study. A trial whose validation metric falls
 behind is pruned by the job itself (callbacks/optuna_pruning.py), told here as pruned. The best trial is written to
