@@ -31,9 +31,9 @@ class WorkerFailed(Exception):
     """The job's exit code; `message` is None where the failing process has said why (or another node's did);
     `reported`: read from the run's store, where another node's process wrote it."""
 
-    def __init__(self, message: str | None, exit_code: int, reported: bool = False):
+    def __init__(self, message: str | None, exit_code: int, reported: bool = False, node: int | None = None):
         super().__init__(message)
-        self.message, self.exit_code, self.reported = message, exit_code, reported
+        self.message, self.exit_code, self.reported, self.node = message, exit_code, reported, node
 
 
 def join_nodes(serve: bool):
@@ -69,7 +69,7 @@ def launch_workers(entry: Callable, job: str, preload: tuple[str, ...], config_p
     if not os.environ.get("MASTER_PORT") or node_store() is not None:
         ranks = [dict(r, **AGENT_STORE) for r in ranks]
     if found := failure(node_store()):  # another node failed before this one launched: said here too
-        raise WorkerFailed(found[1], found[0], reported=True)
+        raise WorkerFailed(found[1], found[0], reported=True, node=found[2])
     procs: list[BaseProcess] = []
     received = []  # a stop signal (a scheduler's preemption or time-out) goes to every worker, which saves and exits
     server = fork_server(preload) if start_method == "forkserver" else multiprocessing.get_context(start_method)
@@ -103,8 +103,9 @@ def launch_workers(entry: Callable, job: str, preload: tuple[str, ...], config_p
             store = node_store() or _run_store(env["MASTER_ADDR"], port, holder)
             report(store, failed.exit_code, failed.message)
             failed.message = None
-        if node_rank == 0 and node_store() is not None:
-            time.sleep(linger_s)  # this job serves the store: the other nodes read the failure from it first
+        # this job serves the store: the other nodes read the failure from it first, but for the one that wrote it
+        if node_rank == 0 and node_store() is not None and not (layout.nodes == 2 and failed.node == 1):
+            time.sleep(linger_s)
         raise
     finally:
         for signum, handler in previous.items():
@@ -165,7 +166,7 @@ def _wait(procs: list[BaseProcess], received: list[str], first_rank: int, per_no
 
     def reported_elsewhere() -> WorkerFailed | None:  # another node's failure is said here too
         if found := failure(store):
-            return WorkerFailed(found[1] if found[2] != node else None, found[0], reported=True)
+            return WorkerFailed(found[1] if found[2] != node else None, found[0], reported=True, node=found[2])
         return None
 
     while True:
