@@ -90,9 +90,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     note = (
         f"\nBoth run 2 processes of {threads_per_process(2)} thread(s) each on the same data, global batch and AdamW."
-        " The tutorial loop's DataLoader fetches and collates the 64 samples of each rank's batch one by one;"
-        " this starter fetches a batch with one indexing op (data/in_memory.py). That data path, not the loop,"
-        " decides this ratio; the loop's own cost is measured by the single-process parity above."
+        " The tutorial loop's DataLoader fetches and collates each rank's samples one by one, this starter a batch with"
+        " one indexing op (data/in_memory.py); the overhead column is what train.py's loop costs per step besides"
+        " (the single-process parity above measures the same loop)."
     )
     (RESULTS / "parity_ddp.md").write_text(table + "\n" + note + "\n")
     (RESULTS / "parity_ddp.json").write_text(json.dumps({"train.py": ours, "hand": hand, "ratio": ratios}) + "\n")
