@@ -64,7 +64,7 @@ def one_process(tmp_path_factory) -> dict:
     runs = {}
     for experiment in EXPERIMENTS:
         tmp_path = tmp_path_factory.mktemp(f"one_{experiment}")
-        proc = run(tmp_path, experiment)
+        proc = run(tmp_path, experiment, "trainer.enable_progress_bar=true")  # a pipe: one line an epoch
         runs[experiment] = (run_dirs(tmp_path)[0], proc)
     return runs
 
@@ -83,6 +83,8 @@ def test_in_one_process_each_epoch_trains_every_sample_once_and_checkpoints_load
     for checkpoint in (run_dir / "checkpoints").glob("*.ckpt"):
         torch.load(checkpoint, weights_only=True)  # whatever the module saved with save_hyperparameters
     assert any(line.split()[:1] == ["run"] for line in proc.stdout.splitlines())  # the table and the run directory
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all(line.count(" train/loss ") + line.count(" train_loss ") <= 1 for line in epochs)
 
 
 def test_the_templates_module_saves_its_net_and_partials_as_their_config_and_trains_what_lightning_trains(

@@ -85,6 +85,9 @@ class EpochLines(ProgressBar):
         parts = [f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
                  f" {time.monotonic() - self.started:.1f} s"]  # fmt: skip
         step, training = self.training
+        # each figure once: the epoch's where the module logs one for the bar (a value logged on_epoch only is last
+        # epoch's at this epoch's logging steps)
+        training = {k: v for k, v in training.items() if k not in trainer.progress_bar_metrics}
         if training:
             parts.append(f"at step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(training.items())))
         if trainer.progress_bar_metrics:
