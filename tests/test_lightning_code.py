@@ -1,7 +1,7 @@
 """Code written for Lightning, not for this starter (tests/foreign: a Lightning + Hydra template's module and
 DataModule, manual optimization with two optimizers on dict batches that logs no `val/*` metric, a language model on
 an IterableDataset), brought in with nothing but config files (`hydra.searchpath`), runs as Lightning runs it: in one
-process the very weights Lightning's own Trainer gives; under ddp and fsdp Lightning's steps an epoch, each sample
+process and under ddp the very weights Lightning's own Trainer gives; under ddp and fsdp Lightning's steps an epoch, each sample
 once an epoch across the ranks (Lightning's DistributedSampler, or the data set's own split); stopped by SIGTERM
 mid-epoch and resumed, the steps Lightning gives and the line that says what the resumed epoch trains; checkpoints
 that load weights-only."""
@@ -151,6 +151,37 @@ def test_under_ddp_each_rank_trains_lightnings_share_and_every_sample_once_an_ep
         assert seen.keys() == everything.keys()
         assert sum(seen.values()) == (expected["samples"] if experiment == "tokens" else padded)
     assert (run_dir / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_under_ddp_the_templates_module_trains_what_lightnings_own_ddp_trains(tmp_path):
+    run(tmp_path, "template", "strategy=ddp", "devices=2")
+    ours = model_weights(run_dirs(tmp_path)[0])
+    # Lightning's Trainer(strategy="ddp", devices=2) on the same module, DataModule and seed; its launcher runs this
+    # script again for rank 1
+    script = tmp_path / "lightning_ddp.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import lightning as L, torch
+        from hydra import compose, initialize_config_dir
+        from hydra.utils import instantiate
+
+        if __name__ == "__main__":
+            with initialize_config_dir(config_dir="{ROOT / "conf"}", version_base="1.3"):
+                cfg = compose("train", overrides=["experiment=template", "{SEARCHPATH}"])
+            L.seed_everything(cfg.seed, workers=True)
+            datamodule, model = instantiate(cfg.data), instantiate(cfg.model)
+            trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False)
+            trainer.fit(model, datamodule=datamodule)
+            if trainer.is_global_zero:
+                torch.save(model.state_dict(), "{tmp_path / "lightning.pt"}")
+            torch.distributed.destroy_process_group()  # gloo aborts a process that leaves it to interpreter exit
+    """)
+    )
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, env=with_env(PROBES), timeout=300)
+    lightning = torch.load(tmp_path / "lightning.pt", weights_only=True)
+    assert ours.keys() == lightning.keys() and all(torch.equal(ours[k], lightning[k]) for k in ours)
 
 
 @pytest.mark.slow
