@@ -1,10 +1,10 @@
 """Code written for Lightning, not for this starter (tests/foreign: a Lightning + Hydra template's module and
 DataModule, manual optimization with two optimizers on dict batches that logs no `val/*` metric, a language model on
 an IterableDataset), brought in with nothing but config files (`hydra.searchpath`), runs as Lightning runs it: in one
-process and under ddp the very weights Lightning's own Trainer gives; under ddp and fsdp Lightning's steps an epoch, each sample
-once an epoch across the ranks (Lightning's DistributedSampler, or the data set's own split); stopped by SIGTERM
-mid-epoch and resumed, the steps Lightning gives and the line that says what the resumed epoch trains; checkpoints
-that load weights-only."""
+process and under ddp the very weights Lightning's own Trainer gives; under ddp and fsdp Lightning's steps an epoch,
+each sample once an epoch across the ranks (Lightning's DistributedSampler, or the data set's own split); stopped by
+SIGTERM mid-epoch and resumed, the steps Lightning gives and the line that says what the resumed epoch trains;
+checkpoints that load weights-only."""
 
 import json
 import math
