@@ -61,6 +61,7 @@ def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
     assert sorted(p.name for p in (run_dir / "state_bytes").iterdir()) == ["rank0.json", "rank1.json"]
     tables = [re.search(r"^metric +value$", out, re.MULTILINE) is not None for out, _ in outputs]
     assert tables == [True, False]  # rank 0 reports
+    assert outputs[1][0] == "" and outputs[0][0].count("train: data=digits") == 1  # each line once, rank 0's
 
 
 @pytest.mark.slow
