@@ -286,3 +286,10 @@ def test_tf32_is_set_in_each_process_that_trains_on_a_gpu_and_never_on_cpu(tmp_p
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_validating_every_other_epoch_keeps_the_best_checkpoint_without_a_word_about_the_monitor(tmp_path):
+    # the first epoch logs no val/acc: no validation ran, which is not a task that logs no monitor
+    proc = train(tmp_path, *LIMIT, "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=2", "test=false")
+    assert "logs no such metric" not in proc.stdout + proc.stderr
+    assert (run_dirs(tmp_path)[0] / "checkpoints" / "best.ckpt").is_file()

@@ -17,15 +17,7 @@ class BestCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.logs_monitor(trainer):
             super().on_validation_end(trainer, pl_module)
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # where Lightning saves when validation ends each epoch
-        if self.logs_monitor(trainer):
-            super().on_train_epoch_end(trainer, pl_module)
-
-    def logs_monitor(self, trainer) -> bool:
-        if self.monitor is None or self.monitor in trainer.callback_metrics:
-            return True
-        if trainer.is_global_zero and not self.missing_said:
+        elif trainer.is_global_zero and not self.missing_said:  # validation ran: the task logs no such metric
             logged = ", ".join(sorted(trainer.callback_metrics)) or "nothing"
             log.warning(
                 "monitor=%s: the model logs no such metric (it logs %s); no checkpoints/best.ckpt is kept and the test"
@@ -33,5 +25,11 @@ class BestCheckpoint(ModelCheckpoint):
                 self.monitor,
                 logged,
             )
-        self.missing_said = True
-        return False
+            self.missing_said = True
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # where Lightning saves when validation ends each epoch
+        if self.logs_monitor(trainer):  # missing in an epoch without validation (check_val_every_n_epoch) too
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def logs_monitor(self, trainer) -> bool:
+        return self.monitor is None or self.monitor in trainer.callback_metrics
