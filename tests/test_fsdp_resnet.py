@@ -25,9 +25,11 @@ def test_sharding_units_are_the_outermost_matching_modules():
 def test_fsdp_bf16_mixed_with_channels_last_runs_a_batchnorm_net_on_nhwc_activations(tmp_path):
     # FSDP2 refuses non-contiguous (channels_last) parameters: the inputs are made channels_last instead.
     # BatchNorm under bf16-mixed keeps fp32 weights beside its fp32 statistics (a bf16 weight failed on GPU).
+    # One step: the recipe's lr 0.1 on 8x8 digits diverges from the second (loss 2.2 -> 6.3, NaN in some runs), which
+    # this test is not about.
     probe = tmp_path / "probe"
     train(tmp_path, "strategy=fsdp", "model=resnet18", "precision=bf16-mixed", "channels_last=true", *TWO_PROCESSES,
-          "data.batch_size=16", "debug=limit", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+          "data.batch_size=16", "debug=limit", "trainer.limit_train_batches=1", "trainer.limit_val_batches=1",
           "trainer.max_epochs=1", "test=false", "+callbacks.probe._target_=probes.RecordConvInputLayout",
           f"+callbacks.probe.output={probe}", env=PROBES)  # fmt: skip
     assert [(probe / f"rank{r}.txt").read_text() for r in (0, 1)] == ["channels_last", "channels_last"]
