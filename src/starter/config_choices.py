@@ -39,17 +39,18 @@ def config_folders(conf: Path, config_name: str, argv: list[str], overrides) -> 
     for primary in (conf / f"{config_name}.yaml", conf / "hydra" / "default.yaml"):
         saved = OmegaConf.load(primary) if primary.is_file() else {}
         paths += list(OmegaConf.select(saved, "hydra.searchpath") or OmegaConf.select(saved, "searchpath") or [])
-    for path in paths:
-        if path.startswith("file://"):
-            folders.append(Path(path.removeprefix("file://")))
-        elif path.startswith("pkg://"):
-            try:
-                folders.append(importlib.resources.files(path.removeprefix("pkg://").replace("/", ".")))
-            except ModuleNotFoundError:
-                continue
-        else:
-            folders.append(Path(path))
-    return folders
+    return folders + [folder for folder in map(source_folder, paths) if folder is not None]
+
+
+def source_folder(spec: str):
+    """The folder a config source names: `file://DIR`, `pkg://package.path` (a Traversable), or a plain directory;
+    None for a package that is not installed."""
+    if spec.startswith("pkg://"):
+        try:
+            return importlib.resources.files(spec.removeprefix("pkg://").replace("/", "."))
+        except ModuleNotFoundError:
+            return None
+    return Path(spec.removeprefix("file://"))
 
 
 def _flag_value(argv: list[str], arg: str) -> bool:

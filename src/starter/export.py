@@ -5,13 +5,12 @@ batch of another size differ from the model's by at most `tolerance`."""
 import importlib.util
 from pathlib import Path
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 from torch import nn
 
-from starter.checkpointing.record import model_builders
 from starter.errors import UserError
 from starter.loggers.report import shown
-from starter.predict import said_weights_path
+from starter.predict import settle_weights
 from starter.preflight import settle
 from starter.topology import Layout
 
@@ -28,9 +27,7 @@ def prepare(cfg: DictConfig) -> Layout:
     layout = settle(cfg, 1)
     if layout.world != 1:
         raise UserError("export runs one process: leave devices and num_nodes at 1")
-    cfg.ckpt_path = str(said_weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
-    with open_dict(cfg):
-        cfg.model_builders = sorted(model_builders())
+    settle_weights(cfg)
     return layout
 
 
@@ -83,13 +80,11 @@ def export(cfg: DictConfig) -> dict:
     except UserError:
         raise
     except Exception as err:
-        out.unlink(missing_ok=True)
-        out.with_name(f"{out.name}.data").unlink(missing_ok=True)
+        discard(out)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"{type(net).__name__} does not export to {cfg.format}: {first}") from err
     if not difference <= float(cfg.tolerance):
-        out.unlink(missing_ok=True)
-        out.with_name(f"{out.name}.data").unlink(missing_ok=True)
+        discard(out)
         raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
                         f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
     c, h, w = shape
@@ -97,3 +92,9 @@ def export(cfg: DictConfig) -> dict:
     print(f"exported {shown(out)}{beside}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out;"
           f" checked on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
     return {}
+
+
+def discard(out: Path) -> None:
+    """An export not kept leaves nothing: the file, and the weights ONNX may have written beside it."""
+    out.unlink(missing_ok=True)
+    out.with_name(f"{out.name}.data").unlink(missing_ok=True)

@@ -26,9 +26,7 @@ def prepare(cfg: DictConfig) -> Layout:
     if not traits.whole_weights:
         raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
                         " a checkpoint of any strategy loads into either")  # fmt: skip
-    cfg.ckpt_path = str(said_weights_path(str(cfg.ckpt_path), Path(cfg.paths.log_dir)))
-    with open_dict(cfg):  # for the workers, which have no Hydra run to read them from
-        cfg.model_builders = sorted(model_builders())
+    settle_weights(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "inputs.txt").write_text("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
@@ -53,13 +51,18 @@ def weights_path(spec: str, log_dir: Path) -> Path:
     return path
 
 
-def said_weights_path(spec: str, log_dir: Path) -> Path:
-    """weights_path, and one line naming the checkpoint and the run that trained it (`last` may be any run's)."""
-    path = weights_path(spec, log_dir)
+def settle_weights(cfg: DictConfig) -> None:
+    """`ckpt_path` as the checkpoint it names (weights_path), said in one line with the run that trained it (`last`
+    may be any run's), and `model_builders`, what may rebuild its model, for the workers (which have no Hydra run to
+    read them from)."""
+    spec = str(cfg.ckpt_path)
+    path = weights_path(spec, Path(cfg.paths.log_dir))
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     trained = f", trained in {shown(run_dir)}" if run_dir is not None and (run_dir / "config.yaml").is_file() else ""
     log.info("ckpt_path=%s: %s%s", spec, shown(path), trained)
-    return path
+    cfg.ckpt_path = str(path)
+    with open_dict(cfg):
+        cfg.model_builders = sorted(model_builders())
 
 
 def input_files(spec: str) -> list[str]:

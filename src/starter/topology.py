@@ -84,6 +84,13 @@ class Layout:
         return cls(layout.nodes, per_node, tp, pp)
 
 
+def data_parallel_place(trainer) -> tuple[int, int]:
+    """(data-parallel size, data-parallel rank) of this process, as its strategy shards data (a tensor-parallel group
+    or a pipeline shares one place); (1, 0) without a trainer or a distributed strategy."""
+    shard = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
+    return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
+
+
 def process_rank() -> int:
     """This process's global rank before Lightning knows it (RANK; srun: SLURM_PROCID); 0 for one process."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))

@@ -9,6 +9,7 @@ import time
 import lightning as L
 
 from starter.errors import UserError
+from starter.topology import data_parallel_place
 
 EPOCH_FIGURES = ("train/epoch_time", "train/images_per_s")  # logged once an epoch, at its end
 
@@ -39,8 +40,7 @@ class EpochStats(L.Callback):
         epoch_time, images_per_s = EPOCH_FIGURES
         pl_module.log(epoch_time, seconds)
         # every data-parallel process trains as many samples (a tensor-parallel group or a pipeline shares them)
-        data_parallel = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        pl_module.log(images_per_s, self.samples * data_parallel / seconds)
+        pl_module.log(images_per_s, self.samples * data_parallel_place(trainer)[0] / seconds)
         if self.lr is not None:
             pl_module.log("lr", self.lr)
         if self.best is not None:  # validation ran before this hook

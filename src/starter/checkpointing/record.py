@@ -3,11 +3,11 @@ checkpoint never calls what the checkpoint chooses, every `_target_` in it, at a
 config here names (the model/ folder of each config source: this repository's conf/ and each `hydra.searchpath`),
 and every value plain (no interpolation, which would run a resolver). The checkpoint supplies values only."""
 
-import importlib.resources
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from starter.config_choices import source_folder
 from starter.errors import UserError
 
 
@@ -42,13 +42,8 @@ def _source_model_folders():
     from hydra.core.hydra_config import HydraConfig
 
     for source in HydraConfig.get().runtime.config_sources:
-        if source.schema == "file":
-            yield Path(source.path) / "model"
-        elif source.schema == "pkg":
-            try:
-                yield importlib.resources.files(source.path) / "model"
-            except ModuleNotFoundError:
-                continue
+        if source.schema in ("file", "pkg") and (folder := source_folder(f"{source.schema}://{source.path}")):
+            yield folder / "model"
 
 
 def _yaml_files(folder):
@@ -60,23 +55,20 @@ def _yaml_files(folder):
 
 
 def _targets(node):
-    if isinstance(node, dict):
-        if "_target_" in node:
-            yield node["_target_"]
-        for value in node.values():
-            yield from _targets(value)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            yield from _targets(value)
+    """The `_target_` of every mapping in `node`, at any depth."""
+    return (n["_target_"] for n in _nodes(node) if isinstance(n, dict) and "_target_" in n)
 
 
 def _interpolations(node):
-    if isinstance(node, str) and "${" in node:
-        yield node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from _interpolations(key)
-            yield from _interpolations(value)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            yield from _interpolations(value)
+    """Every string in `node` (keys too) that OmegaConf would resolve."""
+    return (n for n in _nodes(node) if isinstance(n, str) and "${" in n)
+
+
+def _nodes(node):
+    """`node` and everything inside it: mappings' keys and values, lists' items."""
+    yield node
+    inside = (
+        [*node.keys(), *node.values()] if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    )
+    for child in inside:
+        yield from _nodes(child)

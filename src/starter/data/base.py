@@ -16,7 +16,7 @@ from starter.data.repeated_augmentation import RepeatedAugmentationSampler
 from starter.data.resumable import ResumableBatches, ResumableLoader
 from starter.data.worker_seed import seed_worker
 from starter.errors import UserError
-from starter.topology import per_process_batch
+from starter.topology import data_parallel_place, per_process_batch
 
 
 class ShardedDataModule(L.LightningDataModule):
@@ -50,7 +50,7 @@ class ShardedDataModule(L.LightningDataModule):
         return self._loader(self.test_set, "test")
 
     def _loader(self, dataset: Dataset, split: str) -> DataLoader:
-        world, rank = self._data_parallel_place()
+        world, rank = data_parallel_place(self.trainer)
         if len(dataset) == 0:
             raise UserError(f"the {split} split is empty; give it samples (for digits: data.split)")
         if len(dataset) < world:
@@ -78,11 +78,6 @@ class ShardedDataModule(L.LightningDataModule):
             return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)  # Lightning's predict keeps it
-
-    def _data_parallel_place(self) -> tuple[int, int]:
-        """(data-parallel size, data-parallel rank): a tensor-parallel group or a pipeline shares one place."""
-        shard = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
-        return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
     def _feeds_cuda(self) -> bool:
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)  # None: no trainer yet
