@@ -158,6 +158,8 @@ def test_an_interrupted_optuna_sweep_continues_its_study_from_the_journal(tmp_pa
     assert (sweep / "0" / "metrics.json").read_text() == first
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
     assert OmegaConf.load(sweep / "optimization_results.yaml").trials == 3
+    lrs = [OmegaConf.load(sweep / job / "config.yaml").model.optimizer.lr for job in ("0", "1", "2")]
+    assert len(set(lrs)) == 3  # the continued study draws new points, not the seeded sampler's first ones again
 
 
 def test_an_optuna_trial_that_falls_behind_is_pruned_after_its_validation(tmp_path):

@@ -61,6 +61,8 @@ class OptunaJournalSweeper(Sweeper):
         study = optuna.create_study(study_name=self.study_name, storage=open_storage(storage),
                                     sampler=built(self.sampler), pruner=built(self.pruner), direction=self.direction,
                                     load_if_exists=True)  # fmt: skip
+        if study.trials:  # a seeded sampler would draw its first points again: the study goes on from new ones
+            study.sampler.reseed_rng()
         searched, fixed = search_space({**self.params, **dict(a.split("=", 1) for a in arguments if "=" in a)})
         done = [
             t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
