@@ -20,9 +20,16 @@ import sys
 from pathlib import Path
 
 TEMPLATE_PACKAGE = "starter"
-LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, the recipe, the benchmarks of them
+LARGER_EXAMPLES = [  # ImageNet-style data, shards, the ResNets, the SLURM launchers, the recipe, the benchmarks of them
     "src/starter/data/imagenet.py",
     "src/starter/data/imagenet_archives.py",
+    "src/starter/data/shards.py",
+    "src/starter/data/shard_records.py",
+    "src/starter/data/shard_set.py",
+    "src/starter/make_shards.py",
+    "make_shards.py",
+    "conf/data/shards.yaml",
+    "conf/make_shards.yaml",
     "src/starter/models/nets/torchvision.py",
     "conf/data/imagenet.yaml",
     "conf/model/resnet18.yaml",
@@ -32,6 +39,7 @@ LARGER_EXAMPLES = [  # ImageNet-style data, the ResNets, the SLURM launchers, th
     "conf/experiment/imagenet_resnet50_recipe.yaml",
     "conf/launcher",
     "tests/test_image_folder.py",
+    "tests/test_shards.py",
     "tests/test_fsdp_resnet.py",
     "tests/test_launchers.py",
     "tests/test_benchmarks.py",

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
+from starter.data.shard_set import describe  # full examples
 from starter.declared import declared
 from starter.errors import UserError
 from starter.launch.environment import adopt_torchrun_sizes, check_rendezvous, cuda_device_count, launched_by
@@ -26,6 +27,7 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 def prepare(cfg: DictConfig) -> Layout:
     """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
+    _settle_shards(cfg)  # full examples
     global_batch = int(cfg.data.batch_size) if data_shards_itself(cfg.data) else None
     layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)
     _settle_num_classes(cfg)
@@ -128,6 +130,20 @@ def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
                         f" (or accelerator=cpu for {devices} CPU processes)")  # fmt: skip
 
 
+# full examples: begin
+def _settle_shards(cfg: DictConfig) -> None:
+    """A shard set's image shape and class count, when the config leaves them out (null): its shards.json."""
+    if "source" not in cfg.data:
+        return
+    if importlib.util.find_spec("litdata") is None:
+        raise UserError("data=shards needs litdata: pip install -e '.[shards]'")
+    described = describe(cfg.data.source)
+    for key in ("image_shape", "num_classes"):
+        if cfg.data.get(key) is None:
+            cfg.data[key] = described[key]
+
+
+# full examples: end
 def _settle_num_classes(cfg: DictConfig) -> None:
     """An image folder's class count, when the config leaves it out (null): its class folders under train/."""
     if cfg.data.get("num_classes", 0) is not None or "root" not in cfg.data:

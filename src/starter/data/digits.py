@@ -1,5 +1,7 @@
 """scikit-learn's bundled 8x8 handwritten digits: 1,797 real images, offline. The default data set."""
 
+import math
+
 import torch
 
 from starter.data.base import ShardedDataModule
@@ -29,6 +31,9 @@ class DigitsDataModule(ShardedDataModule):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
         n_train, n_val = int(self.split[0] * len(order)), int(self.split[1] * len(order))
         parts = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
-        train = images[parts[0]].float() / 255  # normalised on the device with training-split statistics only
-        self.mean, self.std = (float(train.mean()),), (float(train.std()),)
+        # normalised on the device with training-split statistics only, from exact integer sums: the same figures
+        # whatever the number of threads (a float32 sum's last bits follow it: a ddp worker's one thread, a process's)
+        pixels = images[parts[0]].long()
+        n, total, squares = pixels.numel(), int(pixels.sum()), int((pixels * pixels).sum())
+        self.mean, self.std = (total / n / 255,), (math.sqrt((squares - total * total / n) / (n - 1)) / 255,)
         self.train_set, self.val_set, self.test_set = (TensorPairs(images[p], labels[p]) for p in parts)

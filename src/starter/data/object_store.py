@@ -1,0 +1,53 @@
+"""litdata's S3 reader and writer, able to reach an endpoint over plain HTTP (an on-premise MinIO, a test's local
+server). litdata moves chunks with obstore, whose S3 store refuses `http://` unless told `allow_http`, and litdata
+builds that store with client options of its own (the environment's AWS_ALLOW_HTTP is then not read). For an http://
+endpoint we build the store ourselves, with the endpoint of litdata's own boto3 client and the standard AWS
+credentials, and hand it to litdata through its downloader registry; uploads there go through that boto3 client (an
+obstore runtime started in make_shards' process would not survive the fork of its next writer processes). An
+https:// endpoint, or none (AWS), is litdata's own path, untouched."""
+
+import asyncio
+import os
+from urllib.parse import urlparse
+
+
+def use_plain_http_endpoints() -> None:
+    """litdata's s3:// reads and writes in this process, and those forked from it, through S3Downloader below."""
+    from litdata.streaming.downloader import register_downloader
+
+    register_downloader("s3://", _downloader_class(), overwrite=True)
+
+
+def _downloader_class():
+    from litdata.streaming.downloader import S3Downloader as LitdataS3Downloader
+
+    class S3Downloader(LitdataS3Downloader):
+        def _plain_http(self) -> str | None:
+            endpoint = self._client.client.meta.endpoint_url or ""  # as litdata's boto3 client read AWS_ENDPOINT_URL
+            return endpoint if endpoint.startswith("http://") else None
+
+        def _get_store(self, bucket: str):
+            if (endpoint := self._plain_http()) is None:
+                return super()._get_store(bucket)
+            key = (os.getpid(), bucket)  # obstore's runtime does not survive a fork: a store per process
+            if getattr(self, "_plain_http_store", (None, None))[0] != key:
+                import boto3
+                from obstore.store import S3Store
+
+                credentials = boto3.Session().get_credentials().get_frozen_credentials()  # the standard AWS chain
+                token = {"token": credentials.token} if credentials.token else {}
+                region = self._client.client.meta.region_name or "us-east-1"
+                store = S3Store(bucket, endpoint=endpoint, virtual_hosted_style_request=False, region=region,
+                                access_key_id=credentials.access_key, secret_access_key=credentials.secret_key,
+                                **token, client_options={"allow_http": True, "timeout": "200s"})  # fmt: skip
+                self._plain_http_store = (key, store)
+            return self._plain_http_store[1]
+
+        async def aupload_file(self, local_filepath: str, remote_filepath: str) -> None:
+            if self._plain_http() is None:
+                return await super().aupload_file(local_filepath, remote_filepath)
+            target = urlparse(remote_filepath)
+            upload = self._client.client.upload_file
+            await asyncio.to_thread(upload, local_filepath, target.netloc, target.path.lstrip("/"))
+
+    return S3Downloader

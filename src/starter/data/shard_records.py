@@ -1,0 +1,94 @@
+"""One split of a shard set as a map-style data set: record i is read through litdata's StreamingDataset (opened in
+the process that reads it: a loader worker, or this one), its image bytes decoded as the folder path decodes a file.
+torch, torchvision and litdata only: loader workers unpickle it in a fork server without Lightning."""
+
+import torch
+from torch.utils.data import Dataset
+
+from starter.errors import UserError
+
+
+class ShardRecords(Dataset):
+    def __init__(self, url: str, length: int, mode: str, transform=None, cache_dir: str | None = None,
+                 max_cache_size: str | None = None):  # fmt: skip
+        self.url, self.length, self.mode, self.transform = url, int(length), mode, transform
+        self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self._records = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self):
+        return {**self.__dict__, "_records": None}  # each process opens its own reader
+
+    def records(self):
+        if self._records is None:
+            from litdata import StreamingDataset
+
+            from starter.data.object_store import use_plain_http_endpoints
+
+            use_plain_http_endpoints()
+            options = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size} if self.cache_dir else {}
+            # read by global index: its own sharding (its len() and slices are a rank's share under a process group)
+            # unused. A remote record is read with its chunk, kept in the cache (one download of each chunk a node
+            # while the cache holds it), not alone: litdata's on_demand_bytes, settable once its cache exists, is
+            # set before it does (litdata is pinned; tests/test_shards.py counts the downloads).
+            self._records = StreamingDataset(self.url, **options)
+            self._records._on_demand_bytes = False
+        return self._records
+
+    def __getitem__(self, index: int):
+        try:
+            record = self.records()[index]
+        except UserError:
+            raise
+        except Exception as err:  # the store refused or went away (after the store client's own retries)
+            reason = (str(err).strip().splitlines() or [""])[0]  # obstore's errors run over many lines
+            raise UserError(f"cannot read record {index} of {self.url}: {type(err).__name__}: {reason}") from err
+        if record.get("index") != index:
+            raise UserError(f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
+                            " order: make it again with make_shards.py")  # fmt: skip
+        try:
+            image = decode(record["image"], self.mode)
+        except ValueError as err:
+            raise UserError(f"cannot decode record {index} of {self.url} ({chunk_of(self.url, index)}): {err}") from err
+        return (self.transform(image) if self.transform else image), record["label"]
+
+
+def decode(data: bytes, mode: str) -> torch.Tensor:
+    """Encoded image bytes -> uint8 CxHxW, as load_image decodes a file (torchvision; formats it lacks by PIL); bytes
+    that are no image: ValueError, saying why."""
+    import io
+
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        return decode_image(buffer, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
+    except RuntimeError as err:
+        if "Unsupported image file" not in str(err):
+            raise ValueError(str(err).split(", ")[-1]) from err
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return pil_to_tensor(image.convert(mode))
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ValueError(str(err)) from err
+
+
+def chunk_of(url: str, index: int) -> str:
+    """The chunk file holding record `index` (read from the split's index.json: only when naming a bad record)."""
+    import json
+
+    from starter.data.shard_set import join, read_text
+
+    try:
+        chunks = json.loads(read_text(join(url, "index.json")) or "{}").get("chunks", [])
+    except Exception:  # naming the chunk is a courtesy; the record's index is named anyway
+        return "chunk unknown"
+    for chunk in chunks:
+        if index < chunk["chunk_size"]:
+            return chunk["filename"]
+        index -= chunk["chunk_size"]
+    return "past the last chunk"

@@ -1,0 +1,247 @@
+"""Shard sets (make_shards.py, data=shards): written once and whole, trained as the data they were made from (the
+same weights, bit for bit, in one process and under ddp), each training sample once an epoch, a resume at another
+number of processes and loader workers seeing each remaining sample once, a corrupt record or a missing set named in
+one line."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from test_image_folder import make_image_folder
+
+from conftest import (
+    MLP_20_STEPS,
+    PROBES,
+    ROOT,
+    free_port,
+    model_weights,
+    read_metrics,
+    run_dirs,
+    train,
+    trained_weights,
+    with_env,
+)
+
+pytestmark = pytest.mark.slow
+
+SHARDS = ["data=shards", "data.num_workers=0", "data.batch_size=64"]
+
+
+def make_shards(out: Path | str, *overrides: str, logs: Path | None = None, env: dict | None = None):
+    logs = logs or Path(out).parent / "logs"
+    command = [sys.executable, str(ROOT / "make_shards.py"), f"out={out}", "num_workers=2", *overrides,
+               f"paths.log_dir={logs}"]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=logs.parent, env=with_env(env))
+
+
+class LocalS3:
+    """moto's S3 server on 127.0.0.1, a bucket `shards` in it, and the standard AWS variables that reach it; its
+    log has a line per request."""
+
+    def __init__(self, folder: Path):
+        self.port, self.log = free_port(), folder / "s3.log"
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
+                    "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        deadline = time.monotonic() + 30
+        while "Running on" not in self.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+        client.create_bucket(Bucket="shards")
+
+    def gets(self, prefix: str) -> Counter:
+        """How often each object under `prefix` was read."""
+        return Counter(re.findall(rf'"GET /shards/{prefix}/(\S+) HTTP', self.log.read_text()))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def digit_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "digits"
+    made = make_shards(out)
+    assert made.returncode == 0, made.stderr[-3000:]
+    return out
+
+
+def test_make_shards_writes_each_split_as_its_data_set_holds_it_and_never_twice(digit_shards):
+    from litdata import StreamingDataset
+
+    from starter.data.digits import DigitsDataModule
+    from starter.data.shard_records import decode
+
+    described = json.loads((digit_shards / "shards.json").read_text())
+    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
+    digits.setup()
+    assert described["splits"] == {"train": 1257, "val": 269, "test": 271}
+    assert described["mean"] == [digits.mean[0]] and described["classes"] == digits.classes
+    for split in ("train", "test"):
+        records, held = StreamingDataset(str(digit_shards / split)), getattr(digits, f"{split}_set")
+        images = torch.stack([decode(records[i]["image"], "L") for i in range(len(records))])
+        assert torch.equal(images, held.images)  # PNG: lossless, in the split's order
+        assert [records[i]["label"] for i in range(len(records))] == held.labels.tolist()
+    chunks = {p: p.stat().st_mtime_ns for p in digit_shards.rglob("*.bin")}
+    again = make_shards(digit_shards)
+    assert again.returncode == 0 and "already holds a finished shard set" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in digit_shards.rglob("*.bin")} == chunks
+    not_a_set = digit_shards.parent / "elsewhere"
+    not_a_set.mkdir()
+    refused = make_shards(not_a_set)
+    assert refused.returncode == 2 and "exists and is no finished shard set" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_a_corrupt_image_stops_make_shards_naming_it_and_leaves_no_set_to_train_from(tmp_path):
+    root = make_image_folder(tmp_path)
+    bad = root / "train" / "dog" / "3.JPEG"
+    bad.write_bytes(b"not a jpeg")
+    out = tmp_path / "shards"
+    made = make_shards(out, "data=imagenet", f"data.root={root}", "data.image_shape=[3,32,32]", "data.num_classes=3")
+    assert made.returncode == 2 and f"cannot read image {bad}" in made.stderr.strip().splitlines()[-1]
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+    refused = train(tmp_path, *SHARDS, f"data.source={out}", expect_ok=False)
+    assert refused.returncode == 2
+    assert f"data.source={out}: no finished shard set there" in refused.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("processes", [["strategy=auto"], ["strategy=ddp", "devices=2"]])
+def test_training_from_shards_gives_the_weights_of_the_data_they_were_made_from(digit_shards, processes, tmp_path):
+    steps = [*MLP_20_STEPS, *processes]
+    train(tmp_path / "digits", *steps)
+    train(tmp_path / "shards", *steps, *SHARDS, f"data.source={digit_shards}")
+    (from_digits,), (from_shards,) = run_dirs(tmp_path / "digits"), run_dirs(tmp_path / "shards")
+    digits_weights, shards_weights = model_weights(from_digits), model_weights(from_shards)
+    assert all(torch.equal(digits_weights[k], shards_weights[k]) for k in digits_weights)
+    # evaluation exact: every one of the 269 + 271 samples counted once, on one process or two
+    assert read_metrics(from_shards)["test/acc"] == read_metrics(from_digits)["test/acc"]
+
+
+def test_an_image_folder_trains_from_its_shards_as_from_its_files_with_loader_workers(tmp_path):
+    root = make_image_folder(tmp_path)
+    folder = ["data=imagenet", f"data.root={root}", "data.image_shape=[3,32,32]", "data.num_classes=3"]
+    made = make_shards(tmp_path / "shards", *folder)
+    assert made.returncode == 0, made.stderr[-3000:]
+    run = ["model=cnn", "accelerator=cpu", "trainer.max_epochs=2", "data.batch_size=6", "data.num_workers=2",
+           "data.image_shape=[3,32,32]", "model.optimizer._target_=torch.optim.SGD"]  # fmt: skip
+    from_files = trained_weights(tmp_path / "files", *folder, *run)
+    from_shards = trained_weights(tmp_path / "from_shards", "data=shards", f"data.source={tmp_path / 'shards'}", *run)
+    # the same crops and flips: each loader worker draws them from the same seed in both
+    assert all(torch.equal(from_files[k], from_shards[k]) for k in from_files)
+
+
+def epoch_ids(run_dir: Path, epoch: int) -> Counter:
+    return Counter(i for f in (run_dir / "samples").glob("rank*.jsonl") for line in f.read_text().splitlines()
+                   if (batch := json.loads(line))["epoch"] == epoch for i in batch["ids"])  # fmt: skip
+
+
+def test_a_run_resumed_at_another_number_of_processes_and_workers_sees_each_remaining_sample_once(
+    digit_shards, tmp_path
+):
+    record = [
+        "+callbacks.samples._target_=probes.RecordSamples",
+        "+callbacks.samples.output=${paths.output_dir}/samples",
+    ]
+    common = [*SHARDS[:1], "data.batch_size=64", f"data.source={digit_shards}", "trainer.max_epochs=3", "test=false",
+              "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", *record]  # fmt: skip
+    straight = train(tmp_path / "straight", *common, "data.num_workers=0", env=PROBES)
+    assert straight.returncode == 0
+    (straight_dir,) = run_dirs(tmp_path / "straight")
+    run_dir = tmp_path / "run"
+    stop = ["+callbacks.stop._target_=probes.SigtermAtStep", f"hydra.run.dir={run_dir}", "ckpt_path=auto"]
+    # 19 steps an epoch: stopped in epoch 1 on 2 processes, in epoch 2 on 1 process with 2 workers, ended on 2
+    legs = [(["strategy=ddp", "devices=2", "data.num_workers=0"], 25), (["data.num_workers=2"], 45),
+            (["strategy=ddp", "devices=2", "data.num_workers=1"], None)]  # fmt: skip
+    for processes, step in legs:
+        stopping = [*stop, f"+callbacks.stop.step={step}"] if step else [f"hydra.run.dir={run_dir}", "ckpt_path=auto"]
+        leg = train(tmp_path / "legs", *common, *processes, *stopping, env=PROBES, expect_ok=step is None)
+        assert leg.returncode == (143 if step else 0), leg.stderr[-3000:]
+    for epoch in range(3):  # the global batches of a straight run, whoever trained them
+        assert epoch_ids(run_dir, epoch) == epoch_ids(straight_dir, epoch)
+    assert max(epoch_ids(run_dir, 1).values()) == max(epoch_ids(straight_dir, 1).values())  # nothing seen twice more
+
+
+def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards, tmp_path):
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(digit_shards), str(broken)], check=True)
+    chunk = sorted((broken / "val").glob("chunk-*.bin"))[0]
+    data = chunk.read_bytes()
+    start = data.index(b"\x89PNG")  # the first record's image: its header no longer a PNG's
+    chunk.write_bytes(data[:start] + b"\x00GIF" + data[start + 4 :])
+    proc = train(tmp_path, *SHARDS, f"data.source={broken}", "accelerator=cpu", "debug=limit", expect_ok=False)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.search(rf"cannot decode record 0 of {broken}/val \({chunk.name}\)", line), line
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    store = LocalS3(tmp_path_factory.mktemp("s3"))
+    yield store
+    store.stop()
+
+
+def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_once_a_node(s3, tmp_path):
+    made = make_shards("s3://shards/digits", "chunk_bytes=2KB", logs=tmp_path / "logs", env=s3.env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    ddp = [*MLP_20_STEPS, "strategy=ddp", "devices=2"]
+    from_digits = trained_weights(tmp_path / "digits", *ddp)
+    remote = ["data=shards", "data.source=s3://shards/digits", "data.batch_size=64", "data.num_workers=1",
+              f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    train(tmp_path / "store", *ddp, *remote, env=s3.env)
+    from_store = model_weights(run_dirs(tmp_path / "store")[0])
+    assert all(torch.equal(from_digits[k], from_store[k]) for k in from_digits)
+    chunks = {str(p.relative_to(tmp_path / "cache")) for p in (tmp_path / "cache").rglob("chunk-*.bin")}
+    fetched = {name: n for name, n in s3.gets("digits").items() if "chunk-" in name}
+    # 2 processes, a loader worker each, 4 epochs: every chunk read by the node once, into the shared cache
+    assert len(fetched) > 20 and set(fetched.values()) == {1}
+    assert len(chunks) == len(fetched)
+
+
+def test_a_missing_bucket_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):
+    missing = train(tmp_path, *SHARDS, "data.source=s3://nobucket/digits", env=s3.env, expect_ok=False)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1] == (
+        "error: s3://nobucket/digits/shards.json: The specified bucket does not exist"
+    )
+    nowhere = {**s3.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "2"}
+    unreachable = make_shards("s3://shards/elsewhere", logs=tmp_path / "logs", env=nowhere)
+    assert unreachable.returncode == 2
+    assert (
+        unreachable.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: s3://shards/elsewhere/shards.json: Could not connect to the endpoint URL")
+    )
+
+
+def test_the_store_going_away_mid_epoch_stops_the_run_naming_it_and_keeps_last_ckpt(tmp_path):
+    store = LocalS3(tmp_path)
+    try:
+        made = make_shards("s3://shards/digits", "chunk_bytes=2KB", logs=tmp_path / "logs", env=store.env)
+        assert made.returncode == 0, made.stderr[-3000:]
+        run = [*SHARDS, "data.source=s3://shards/digits", "data.num_workers=2", f"hydra.run.dir={tmp_path / 'run'}",
+               "ckpt_path=auto", "test=false"]  # fmt: skip
+        train(tmp_path, *run, "trainer.max_epochs=1", f"data.cache_dir={tmp_path / 'cache'}", env=store.env)
+        last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+        saved = last.read_bytes()
+        # another node's empty cache: the chunks of epoch 2 are fetched as it goes, and the store dies at step 22
+        kill = ["+callbacks.kill._target_=probes.KillAtStep", f"+callbacks.kill.pid={store.proc.pid}",
+                "+callbacks.kill.step=22"]  # fmt: skip
+        stopped = train(tmp_path, *run, "trainer.max_epochs=3", f"data.cache_dir={tmp_path / 'other'}", *kill,
+                        env={**PROBES, **store.env}, expect_ok=False)  # fmt: skip
+    finally:
+        store.stop()
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: cannot read record \d+ of s3://shards/digits/train: ", line), line
+    assert last.read_bytes() == saved  # the last checkpoint before the store went, as it was
