@@ -19,6 +19,7 @@ from conftest import (
     MLP_20_STEPS,
     PROBES,
     ROOT,
+    as_rank,
     free_port,
     model_weights,
     read_metrics,
@@ -245,3 +246,47 @@ def test_the_store_going_away_mid_epoch_stops_the_run_naming_it_and_keeps_last_c
     line = stopped.stderr.strip().splitlines()[-1]
     assert re.match(r"error: cannot read record \d+ of s3://shards/digits/train: ", line), line
     assert last.read_bytes() == saved  # the last checkpoint before the store went, as it was
+
+
+def test_decoding_on_the_device_gives_evaluation_the_images_the_loader_workers_give(tmp_path):
+    from starter.data.imagenet import ImageFolderDataModule
+
+    root = make_image_folder(tmp_path)
+    batches = {}
+    for decode in ("cpu", "gpu"):
+        dm = ImageFolderDataModule(root=str(root), batch_size=6, num_workers=0, image_shape=[3, 32, 32],
+                                   num_classes=3, decode=decode)  # fmt: skip
+        dm.setup()
+        loaders = as_rank(dm, 1, 0).val_dataloader(), dm.train_dataloader()
+        dm.trainer = None  # evaluation's recipe
+        evaluation, training = (next(iter(loader)) for loader in loaders)
+        cpu = torch.device("cpu")
+        batches[decode] = [
+            dm.on_after_batch_transfer(dm.transfer_batch_to_device(b, cpu, 0), 0) for b in (evaluation, training)
+        ]
+    (cpu_eval, cpu_train), (gpu_eval, gpu_train) = batches["cpu"], batches["gpu"]
+    assert isinstance(gpu_eval[0], torch.Tensor) and torch.equal(cpu_eval[0], gpu_eval[0])
+    assert torch.equal(cpu_eval[1], gpu_eval[1])
+    assert gpu_train[0].shape == cpu_train[0].shape == (6, 3, 32, 32)
+
+
+def test_a_run_decoding_on_the_device_trains_under_ddp_and_evaluates_as_the_workers_decode(tmp_path):
+    root = make_image_folder(tmp_path)
+    folder = ["data=imagenet", f"data.root={root}", "data.image_shape=[3,32,32]", "data.num_classes=3",
+              "model=cnn", "data.batch_size=6", "accelerator=cpu"]  # fmt: skip
+    train(tmp_path / "fit", *folder, "data.decode=gpu", "strategy=ddp", "devices=2", "data.num_workers=1",
+          "trainer.max_epochs=1")  # fmt: skip
+    (run_dir,) = run_dirs(tmp_path / "fit")
+    figures = {}
+    for decode in ("cpu", "gpu"):
+        train(tmp_path / decode, *folder, f"data.decode={decode}", "train=false",
+              f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")  # fmt: skip
+        figures[decode] = read_metrics(run_dirs(tmp_path / decode)[0])
+    assert figures["gpu"]["test/acc"] == figures["cpu"]["test/acc"]
+    assert figures["gpu"]["test/loss"] == figures["cpu"]["test/loss"]
+
+
+def test_decoding_png_records_on_the_device_is_one_line_saying_what_to_do(digit_shards, tmp_path):
+    proc = train(tmp_path, *SHARDS, f"data.source={digit_shards}", "data.decode=gpu", "debug=limit", expect_ok=False)
+    assert proc.returncode == 2
+    assert "data.decode=gpu decodes JPEG images only" in proc.stderr.strip().splitlines()[-1]

@@ -245,7 +245,7 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
         (
             "train.py",
             [f"hydra.searchpath=[file://{ROOT / 'tests' / 'foreign' / 'conf'}]", "data=dict_digit"],
-            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, synthetic,",
+            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, shards, synthetic,",
         ),
     ],
 )

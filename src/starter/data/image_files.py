@@ -45,8 +45,9 @@ def evaluation_transform(resize: int | None, crop: int | None, size: list[int] |
 class ImageFiles(ImageFolder):
     """ImageFolder that, with skip_unreadable, leaves unreadable images out of their batch and counts them."""
 
-    def __init__(self, directory: Path, transform, loader, skip_unreadable: bool):
+    def __init__(self, directory: Path, transform, loader, skip_unreadable: bool, collate=default_collate):
         super().__init__(str(directory), transform=transform, loader=loader)
+        self.collate = collate  # default_collate; data.decode=gpu's keeps the encoded images, of many lengths
         # One flag per image, in shared memory: DataLoader workers set them, this process counts them.
         self.unreadable = torch.zeros(len(self), dtype=torch.bool).share_memory_() if skip_unreadable else None
 
@@ -65,7 +66,7 @@ class ImageFiles(ImageFolder):
         readable = [s for s in samples if s is not None]
         if not readable:
             raise UserError(f"every image of a batch in {self.root} is unreadable (the warnings above name them)")
-        return default_collate(readable)
+        return self.collate(readable)
 
     def skipped(self) -> list[str]:
         return [] if self.unreadable is None else [self.samples[int(i)][0] for i in self.unreadable.nonzero()]

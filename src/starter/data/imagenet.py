@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from starter.data.base import ShardedDataModule
+from starter.data.device_decode import check_decode, collate_encoded, decode_batch, read_encoded
 from starter.data.image_files import ImageFiles, evaluation_transform, load_image
 from starter.data.imagenet_archives import COMMAND, needs_preparing
 from starter.errors import UserError
@@ -40,8 +41,10 @@ class ImageFolderDataModule(ShardedDataModule):
     def __init__(self, root: str, batch_size: int = 256, num_workers: int = 8, seed: int = 42,
                  skip_unreadable: bool = False, train_crop_size: int | None = None, val_resize_size: int | None = None,
                  val_crop_size: int | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
-                 **kwargs):  # fmt: skip
+                 decode: str = "cpu", **kwargs):  # fmt: skip
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
+        self.decode = check_decode(decode)
+        self.pin_memory = self.pin_memory and self.decode == "cpu"  # decode=gpu: the decoder reads host memory
         self.root, self.skip_unreadable = Path(root), bool(skip_unreadable)
         self.train_crop_size = int(train_crop_size or self.image_shape[-1])
         self.val_crop_size = int(val_crop_size or self.image_shape[-1])
@@ -50,6 +53,7 @@ class ImageFolderDataModule(ShardedDataModule):
         if self.image_shape[0] == 3:
             self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.eval_resize, self.eval_crop = self.val_resize_size, self.val_crop_size
+        self._device_recipes = {}  # decode=gpu: training and evaluation's, made once
 
     def unreadable_images(self) -> list[str]:
         """The images this process has skipped so far (with skip_unreadable; val is also the test split)."""
@@ -77,15 +81,35 @@ class ImageFolderDataModule(ShardedDataModule):
         self.train_set, self.val_set, self.test_set = train, val, val
         self.classes = train.classes
 
+    def recipe(self, train: bool):
+        """torchvision's recipe for a training or an evaluation image (uint8 in, uint8 out)."""
+        return imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
+                                   self.auto_augment, self.random_erase)  # fmt: skip
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        if self.decode == "cpu":
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        encoded, labels = batch  # the encoded images stay on the host: the decoder reads them there
+        return encoded, labels.to(device, non_blocking=True)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        if self.decode == "gpu":
+            encoded, labels = batch
+            training = self.trainer is not None and self.trainer.training
+            transform = self._device_recipes.setdefault(training, self.recipe(training))
+            batch = decode_batch(encoded, labels.device, self.image_shape[0], transform), labels
+        return super().on_after_batch_transfer(batch, dataloader_idx)
+
     def _folder(self, split: str, train: bool):
         directory = self.root / split
         if not directory.is_dir():
             raise UserError(f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
                             f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree")  # fmt: skip
-        transform = imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
-                                        self.auto_augment, self.random_erase)  # fmt: skip
         loader = partial(load_image, mode="RGB" if self.image_shape[0] == 3 else "L")
+        on_host = self.decode == "cpu"  # else the loader workers only read the files' bytes
         try:
-            return ImageFiles(directory, transform, loader, self.skip_unreadable)
+            if on_host:
+                return ImageFiles(directory, self.recipe(train), loader, self.skip_unreadable)
+            return ImageFiles(directory, None, read_encoded, self.skip_unreadable, collate_encoded)
         except FileNotFoundError as err:  # a class folder without images, or no class folders at all
             raise UserError(f"{directory}: {err}") from err

@@ -5,14 +5,19 @@ torch, torchvision and litdata only: loader workers unpickle it in a fork server
 import torch
 from torch.utils.data import Dataset
 
+from starter.data.device_decode import collate_encoded
 from starter.errors import UserError
 
 
 class ShardRecords(Dataset):
+    """Record i: (image, label); `mode` RGB or L decodes the image (then `transform`), `encoded` keeps its bytes (a
+    1-D uint8 tensor, for decoding on the device: data.decode=gpu)."""
+
     def __init__(self, url: str, length: int, mode: str, transform=None, cache_dir: str | None = None,
                  max_cache_size: str | None = None):  # fmt: skip
         self.url, self.length, self.mode, self.transform = url, int(length), mode, transform
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self.collate_fn = collate_encoded if mode == "encoded" else None
         self._records = None
 
     def __len__(self) -> int:
@@ -48,6 +53,8 @@ class ShardRecords(Dataset):
         if record.get("index") != index:
             raise UserError(f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
                             " order: make it again with make_shards.py")  # fmt: skip
+        if self.mode == "encoded":
+            return torch.frombuffer(bytearray(record["image"]), dtype=torch.uint8), record["label"]
         try:
             image = decode(record["image"], self.mode)
         except ValueError as err:

@@ -5,7 +5,7 @@ to the weights its source gives, and a resume at another number of processes see
 A set made from an image folder gets torchvision's recipe as data=imagenet does (its keys here too); one made from
 images held in memory (digits, MNIST) is used as it is, as there."""
 
-from starter.data.imagenet import ImageFolderDataModule, imagenet_transforms
+from starter.data.imagenet import ImageFolderDataModule
 from starter.data.shard_records import ShardRecords
 from starter.data.shard_set import describe, join
 
@@ -28,13 +28,15 @@ class ShardsDataModule(ImageFolderDataModule):
         self.train_set, self.val_set = self._split("train", splits["train"]), self._split("val", splits["val"])
         self.test_set = self.val_set if splits["test"] == "val" else self._split("test", splits["test"])
 
+    def recipe(self, train: bool):
+        return super().recipe(train) if self.description["recipe"] == "imagenet" else None  # else used as it is
+
     def _split(self, split: str, length: int) -> ShardRecords:
-        transform = None
-        if self.description["recipe"] == "imagenet":
-            transform = imagenet_transforms(split == "train", self.train_crop_size, self.val_resize_size,
-                                            self.val_crop_size, self.auto_augment, self.random_erase)  # fmt: skip
         mode = "RGB" if self.image_shape[0] == 3 else "L"
-        return ShardRecords(join(self.source, split), length, mode, transform, self.cache_dir, self.max_cache_size)
+        on_host = self.decode == "cpu"  # else records go out encoded, decoded on the device
+        return ShardRecords(join(self.source, split), length, mode if on_host else "encoded",
+                            self.recipe(split == "train") if on_host else None, self.cache_dir,
+                            self.max_cache_size)  # fmt: skip
 
     def unreadable_images(self) -> list[str]:
         return []  # a bad record stops the run, naming its shard and index

@@ -1,0 +1,51 @@
+"""`data.decode=gpu`: the loader workers only read each image's encoded bytes; a batch's JPEGs are decoded on the
+training device in one call (nvJPEG on a GPU; on a CPU, the same call there), and the recipe's crops, flips and
+augmentation applied there image by image, before the batch is stacked and normalised as any other batch. The bytes
+stay in host memory until decoded: torchvision's decoder reads them there."""
+
+import torch
+
+from starter.errors import UserError
+
+DECODES = ("cpu", "gpu")
+JPEG_START = (0xFF, 0xD8, 0xFF)
+
+
+def check_decode(decode: str) -> str:
+    if decode not in DECODES:
+        raise UserError(f"data.decode={decode}: choose cpu (loader workers decode) or gpu (the training device does)")
+    return decode
+
+
+def read_encoded(path: str, mode: str | None = None) -> torch.Tensor:
+    """An image file's bytes as a 1-D uint8 tensor (the folder's loader under decode=gpu)."""
+    from torchvision.io import read_file
+
+    return read_file(path)
+
+
+def collate_encoded(samples) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(encoded image, label) pairs -> ((their bytes end to end, each one's length), the labels): one buffer a batch
+    between processes, not one per image."""
+    images = [s[0] for s in samples]
+    lengths = torch.tensor([len(image) for image in images])
+    return (torch.cat(images), lengths), torch.tensor([int(s[1]) for s in samples])
+
+
+def decode_batch(images: tuple[torch.Tensor, torch.Tensor], device: torch.device, channels: int, transform):
+    """The batch's JPEGs (collate_encoded's bytes and lengths, in host memory) decoded on `device`, each transformed
+    there (where there is a transform), stacked: uint8 N x C x H x W."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    flat, lengths = images
+    encoded = list(flat.split(lengths.tolist()))  # the lengths are on the host: no device synchronisation
+    if any(tuple(e[:3].tolist()) != JPEG_START for e in encoded):
+        raise UserError("data.decode=gpu decodes JPEG images only and a batch holds another format (PNG, say):"
+                        " use data.decode=cpu for this data")  # fmt: skip
+    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+    try:
+        images = decode_jpeg(encoded, mode=mode, device=device)
+    except RuntimeError as err:
+        raise UserError(f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
+                        " data.decode=cpu to have it named") from err  # fmt: skip
+    return torch.stack([transform(image) for image in images] if transform else images)
