@@ -26,6 +26,8 @@ LARGER_EXAMPLES = [  # ImageNet-style data, shards, the ResNets, the SLURM launc
     "src/starter/data/shards.py",
     "src/starter/data/shard_records.py",
     "src/starter/data/shard_set.py",
+    "src/starter/data/object_store.py",
+    "src/starter/data/device_decode.py",
     "src/starter/make_shards.py",
     "make_shards.py",
     "conf/data/shards.yaml",

@@ -1,12 +1,14 @@
 """Shared by the benchmark scripts: train.py command lines, config composition, a step timer, result tables."""
 
 import json
+import re
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -144,3 +146,31 @@ class ExitAtFirstStep(L.Callback):
         import os
 
         os._exit(0)
+
+
+class LocalS3:
+    """moto's S3 server on 127.0.0.1, a bucket `shards` in it, and the standard AWS variables that reach it; its
+    log has a line per request."""
+
+    def __init__(self, folder: Path):
+        self.port, self.log = free_port(), folder / "s3.log"
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
+                    "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        deadline = time.monotonic() + 30
+        while "Running on" not in self.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+        client.create_bucket(Bucket="shards")
+
+    def gets(self, prefix: str) -> Counter:
+        """How often each object under `prefix` was read."""
+        return Counter(re.findall(rf'"GET /shards/{prefix}/(\S+) HTTP', self.log.read_text()))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

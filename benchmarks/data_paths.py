@@ -1,11 +1,16 @@
 """Data paths: one MNIST epoch held in memory (this starter) vs torchvision's per-item PIL path; the ImageNet
 train transform (decode, RandomResizedCrop 224, flip) per image in one process, by decoder; and ImageFolder
 throughput per DataLoader worker count on a generated JPEG folder (photo-like 500x375 images, quality 90);
-with CUDA, the same decode + crop on the GPU (nvJPEG through torchvision.io.decode_jpeg, batches of 128)."""
+with CUDA, the same decode + crop on the GPU (nvJPEG through torchvision.io.decode_jpeg, batches of 128). The same
+JPEGs as shards (make_shards.py), read from a directory and from a local S3 server (moto's, on 127.0.0.1; a cold cache
+each epoch's first read, then warm), per loader worker count, and the bytes each holds on disk."""
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -13,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader
 
-from benchmarks.common import RESULTS, markdown_table, write_fake_mnist
+from benchmarks.common import RESULTS, ROOT, LocalS3, markdown_table, write_fake_mnist
 from starter.data.imagenet import ImageFolderDataModule
 from starter.data.mnist import MNISTDataModule
 
@@ -105,6 +110,47 @@ def gpu_decode_images_per_s(files: list[Path], repeats: int, batch: int = 128) -
     return rates[1:]
 
 
+def shard_rates(root: Path, scratch: Path, store: LocalS3, workers: list[int], repeats: int) -> tuple[list, dict]:
+    """Images/s of the folder and of its shards (a directory; S3 on a local server, cold then warm cache) by loader
+    workers, the same transform, and the bytes on disk."""
+    from starter.data.shards import ShardsDataModule
+
+    env = {**os.environ, **store.env}
+    try:
+        for out in (scratch / "shards", "s3://shards/jpeg"):
+            subprocess.run([sys.executable, str(ROOT / "make_shards.py"), "data=imagenet", f"data.root={root}",
+                            "data.image_shape=[3,224,224]", "data.num_classes=4", f"out={out}",
+                            f"paths.log_dir={scratch / 'logs'}"], check=True, capture_output=True, env=env)  # fmt: skip
+        images = len(list((root / "train").rglob("*.JPEG"))) // 32 * 32
+        rates, rows = {}, []
+        for w in workers:
+            sources = {"folder": None, "shards, directory": str(scratch / "shards"), "shards, S3": "s3://shards/jpeg"}
+            for name, source in sources.items():
+                options = dict(batch_size=32, num_workers=w, pin_memory=False, persistent_workers=False,
+                               image_shape=[3, 224, 224], num_classes=4)  # fmt: skip
+                if source is None:
+                    dm = ImageFolderDataModule(str(root), **options)
+                else:
+                    dm = ShardsDataModule(source, cache_dir=str(scratch / f"cache-{w}"), **options)
+                dm.setup()
+                seconds = [epoch_seconds(dm.train_dataloader()) for _ in range(repeats + (source is not None))]
+                if name == "shards, S3":
+                    rates[f"{name}, cold cache, {w} workers"] = [images / seconds.pop(0)]
+                elif source is not None:
+                    seconds.pop(0)  # the page cache warmed as the folder's was
+                rates[f"{name}, {w} workers"] = [images / s for s in seconds]
+            rows += [[name, w, f"{statistics.median(r):.0f}", f"{min(r):.0f}-{max(r):.0f}"]
+                     for name, r in rates.items() if name.endswith(f", {w} workers")]  # fmt: skip
+    finally:
+        store.stop()
+    on_disk = {"folder": sum(p.stat().st_size for p in root.rglob("*") if p.is_file()),
+               "shards": sum(p.stat().st_size for p in (scratch / "shards").rglob("*") if p.is_file())}  # fmt: skip
+    table = markdown_table(["the same JPEGs (500x375 -> RandomResizedCrop 224)", "workers", "images/s", "range"], rows)
+    table += (f"\n\nOn disk: the folder {on_disk['folder'] / 1e6:.1f} MB, its shards {on_disk['shards'] / 1e6:.1f} MB"
+              " (the val split, written once, included in both).")  # fmt: skip
+    return table, {"images_per_s": rates, "bytes_on_disk": on_disk}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -112,6 +158,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="data-"))
+    store = LocalS3(scratch)  # before any loader worker: their fork server keeps the environment it started with
+    os.environ.update(store.env)
 
     ours, per_item = mnist_loaders(write_fake_mnist(scratch / "mnist", test_size=100), batch_size=128)
     in_memory, pil = [], []
@@ -170,6 +218,8 @@ def main() -> None:
     folder_table = markdown_table(
         ["DataLoader workers", "images/s (500x375 JPEG -> RandomResizedCrop 224)", "range"], rows
     )
+    shards_table, shards = shard_rates(scratch / "jpeg", scratch, store, args.workers, args.repeats)
+    folder_table += "\n\n" + shards_table
     if torch.cuda.is_available():
         torch.set_num_threads(1)
         rates = gpu_decode_images_per_s(files, args.repeats)
@@ -185,6 +235,7 @@ def main() -> None:
                 "mnist_pil_s": pil,
                 "decoder_images_per_s": per_decoder,
                 "imagefolder_images_per_s": decode,
+                "shards": shards,
             },
             indent=1,
         )

@@ -1,23 +1,27 @@
 """Can the ImageFolder path feed the GPU? A `data=imagenet` training epoch through `python train.py` on a generated
 JPEG folder (photo-like 500x375 images, quality 90, decoded and augmented by the loader workers on the CPU)
-against the same run on images already on the device (`data=synthetic data.on_device=true`), in one invocation.
+against the same run on images already on the device (`data=synthetic data.on_device=true`), in one invocation;
+then the same JPEGs as shards (make_shards.py, a local directory), decoded by the workers or on the device
+(`data.decode=gpu`), and the folder decoded on the device, at the largest worker count.
 
     python -m benchmarks.folder_epoch --images 16000 --workers 8 15
 
-The ratio folder / on-device says whether the data path keeps up with the net at that many workers (>= 0.9: it
-does). Writes results/folder_epoch.{md,json}. `--tiny --accelerator cpu` checks the path at toy sizes.
+The ratio data path / on-device says whether it keeps up with the net (>= 0.95: it does). Writes
+results/folder_epoch.{md,json}. `--tiny --accelerator cpu` checks the paths at toy sizes.
 """
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, markdown_table, timed_training
+from benchmarks.common import RESULTS, ROOT, markdown_table, timed_training
 
 CLASSES = 10
 
@@ -79,11 +83,26 @@ def main() -> None:
         figures = timed_training(common + folder, scratch, warmup=args.warmup)
         runs[f"JPEG folder, {workers} loader workers"] = figures["samples"] / figures["seconds"]
         print(f"{workers} workers: {runs[f'JPEG folder, {workers} loader workers']:,.0f} images/s", flush=True)
+    folder = ["data=imagenet", f"data.root={scratch / 'images'}"]
+    subprocess.run([sys.executable, str(ROOT / "make_shards.py"), *folder, f"data.image_shape=[3,{image_size},"
+                    f"{image_size}]", f"data.num_classes={CLASSES}", f"out={scratch / 'shards'}", "check_images=false",
+                    f"num_workers={os.cpu_count()}", f"paths.log_dir={scratch / 'logs'}"], check=True,
+                   capture_output=True)  # fmt: skip
+    shards, most = ["data=shards", f"data.source={scratch / 'shards'}"], max(args.workers)
+    paths = {
+        "shards": [*shards, "data.decode=cpu"],
+        "shards, decoded on the device": [*shards, "data.decode=gpu"],
+        "JPEG folder, decoded on the device": [*folder, "data.decode=gpu"],
+    }
+    for name, data in paths.items():
+        figures = timed_training(common + data + [f"data.num_workers={most}"], scratch, warmup=args.warmup)
+        runs[f"{name}, {most} loader workers"] = figures["samples"] / figures["seconds"]
+        print(f"{name}: {runs[f'{name}, {most} loader workers']:,.0f} images/s", flush=True)
     base = runs["images on the device (data=synthetic)"]
     rows = [[name, f"{rate:,.0f}", f"{rate / base:.2f}"] for name, rate in runs.items()]
     header = (f"{args.model}, {args.precision}, channels_last, batch {args.batch}, one device, {os.cpu_count()} CPU"
               f" cores; {args.images} JPEGs {size[0]}x{size[1]} (train: RandomResizedCrop {image_size} + flip, decoded"
-              f" on the CPU), one epoch timed after {args.warmup} steps")  # fmt: skip
+              f" by the loader workers unless said), one epoch timed after {args.warmup} steps")  # fmt: skip
     table = markdown_table(["data", "images/s", "/ on the device"], rows)
     args.results.mkdir(parents=True, exist_ok=True)
     name = "folder_epoch" + ("_tiny" if args.tiny else "")

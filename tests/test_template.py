@@ -105,7 +105,7 @@ def test_the_minimal_project_has_none_of_the_larger_examples_and_the_full_one_ha
               "conf/launcher/slurm.yaml", "tests/test_image_folder.py", "benchmarks/gpu_scaling.py"]  # fmt: skip
     assert [(project / p).exists() for p in larger] == [examples == "full"] * len(larger)
     names = ["data=imagenet", "imagenet_archives", "resnet18", "resnet50", "vit_s16", "launcher=", "submitit",
-             "gpu_scaling", "strategy_matrix"]  # fmt: skip
+             "gpu_scaling", "strategy_matrix", "make_shards", "data=shards", "litdata"]  # fmt: skip
     if examples == "minimal":
         assert files_mentioning(project, names) == []
         assert (project / "conf" / "model" / "vit.yaml").is_file() and (
