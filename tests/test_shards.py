@@ -120,6 +120,22 @@ def epoch_ids(run_dir: Path, epoch: int) -> Counter:
                    if (batch := json.loads(line))["epoch"] == epoch for i in batch["ids"])  # fmt: skip
 
 
+def test_a_run_stopped_mid_epoch_and_resumed_on_as_many_processes_ends_bit_for_bit_where_the_straight_run_ends(
+    digit_shards, tmp_path
+):
+    common = [*SHARDS, f"data.source={digit_shards}", "strategy=ddp", "devices=2", "data.num_workers=1",
+              "trainer.max_epochs=2", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2", "test=false",
+              "trainer.log_every_n_steps=1"]  # fmt: skip
+    straight = trained_weights(tmp_path / "straight", *common)
+    again = [*common, f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
+    stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
+                    env=PROBES, expect_ok=False)  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    train(tmp_path, *again)
+    resumed = model_weights(tmp_path / "run")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_a_run_resumed_at_another_number_of_processes_and_workers_sees_each_remaining_sample_once(
     digit_shards, tmp_path
 ):
