@@ -53,7 +53,7 @@ def test_make_shards_writes_each_split_as_its_data_set_holds_it_and_never_twice(
     from litdata import StreamingDataset
 
     from starter.data.digits import DigitsDataModule
-    from starter.data.shard_records import decode
+    from starter.data.image_files import decode_image_data
 
     described = json.loads((digit_shards / "shards.json").read_text())
     digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
@@ -62,7 +62,7 @@ def test_make_shards_writes_each_split_as_its_data_set_holds_it_and_never_twice(
     assert described["mean"] == [digits.mean[0]] and described["classes"] == digits.classes
     for split in ("train", "test"):
         records, held = StreamingDataset(str(digit_shards / split)), getattr(digits, f"{split}_set")
-        images = torch.stack([decode(records[i]["image"], "L") for i in range(len(records))])
+        images = torch.stack([decode_image_data(records[i]["image"], "L") for i in range(len(records))])
         assert torch.equal(images, held.images)  # PNG: lossless, in the split's order
         assert [records[i]["label"] for i in range(len(records))] == held.labels.tolist()
     chunks = {p: p.stat().st_mtime_ns for p in digit_shards.rglob("*.bin")}

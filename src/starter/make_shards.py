@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from starter.data.shard_set import DESCRIPTION, FORMAT, bucket_and_key, is_remote, join, read_text, s3_client
+from starter.data.shard_set import DESCRIPTION, FORMAT, SPLITS, bucket_and_key, is_remote, join, read_text, s3_client
 from starter.errors import USER_ERROR_EXIT_CODE, UserError
 
 
@@ -113,7 +113,7 @@ def _write_splits(datamodule, cfg: DictConfig, staging: str, out: str) -> tuple[
     use_plain_http_endpoints()
     mode = "RGB" if datamodule.image_shape[0] == 3 else "L"
     sizes, recipes = {}, set()
-    for split in ("train", "val", "test"):
+    for split in SPLITS:
         dataset = getattr(datamodule, f"{split}_set")
         if split == "test" and dataset is datamodule.val_set:  # an image folder's val is also its test split
             sizes[split] = "val"

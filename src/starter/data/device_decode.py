@@ -17,7 +17,7 @@ def check_decode(decode: str) -> str:
     return decode
 
 
-def read_encoded(path: str, mode: str | None = None) -> torch.Tensor:
+def read_encoded(path: str) -> torch.Tensor:
     """An image file's bytes as a 1-D uint8 tensor (the folder's loader under decode=gpu)."""
     from torchvision.io import read_file
 
@@ -37,14 +37,15 @@ def decode_batch(images: tuple[torch.Tensor, torch.Tensor], device: torch.device
     there (where there is a transform), stacked: uint8 N x C x H x W."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    flat, lengths = images
-    encoded = list(flat.split(lengths.tolist()))  # the lengths are on the host: no device synchronisation
-    if any(tuple(e[:3].tolist()) != JPEG_START for e in encoded):
+    flat, lengths = images  # on the host: nothing here waits for the device
+    starts = lengths.cumsum(0) - lengths
+    heads = starts[:, None] + torch.arange(len(JPEG_START))
+    if bool((lengths < len(JPEG_START)).any()) or not bool((flat[heads] == torch.tensor(JPEG_START)).all()):
         raise UserError("data.decode=gpu decodes JPEG images only and a batch holds another format (PNG, say):"
                         " use data.decode=cpu for this data")  # fmt: skip
     mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
     try:
-        images = decode_jpeg(encoded, mode=mode, device=device)
+        images = decode_jpeg(list(flat.split(lengths.tolist())), mode=mode, device=device)
     except RuntimeError as err:
         raise UserError(f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
                         " data.decode=cpu to have it named") from err  # fmt: skip

@@ -15,21 +15,33 @@ log = logging.getLogger(__name__)
 
 
 def load_image(path: str, mode: str = "RGB") -> torch.Tensor:
-    """The image as a uint8 CxHxW tensor: JPEG, PNG, WebP and GIF decoded by torchvision (1.4x PIL's images/s,
-    benchmarks/data_paths.py), other formats by PIL."""
+    """The image file as a uint8 CxHxW tensor (decode_image_data); one that cannot be read is a UserError naming it."""
+    try:
+        return decode_image_data(path, mode)
+    except ValueError as err:
+        raise UserError(f"cannot read image {path}: {err}") from err
+
+
+def decode_image_data(source: str | bytes, mode: str = "RGB") -> torch.Tensor:
+    """An image file (its path) or its encoded bytes as a uint8 CxHxW tensor: JPEG, PNG, WebP and GIF decoded by
+    torchvision (1.4x PIL's images/s, benchmarks/data_paths.py), other formats by PIL; no image: ValueError, saying
+    why."""
+    import io
+
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2.functional import pil_to_tensor
 
+    encoded = source if isinstance(source, str) else torch.frombuffer(bytearray(source), dtype=torch.uint8)
     try:
-        return decode_image(path, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
+        return decode_image(encoded, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
     except RuntimeError as err:  # "<function>, <source>:<line>, <reason>"
         if "Unsupported image file" not in str(err):
-            raise UserError(f"cannot read image {path}: {str(err).split(', ')[-1]}") from err
+            raise ValueError(str(err).split(", ")[-1]) from err
     try:
-        with Image.open(path) as image:
+        with Image.open(source if isinstance(source, str) else io.BytesIO(source)) as image:
             return pil_to_tensor(image.convert(mode))
     except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for truncated / non-image files
-        raise UserError(f"cannot read image {path}: {err}") from err
+        raise ValueError(str(err)) from err
 
 
 def evaluation_transform(resize: int | None, crop: int | None, size: list[int] | None = None):

@@ -96,8 +96,9 @@ class ImageFolderDataModule(ShardedDataModule):
         if self.decode == "gpu":
             encoded, labels = batch
             training = self.trainer is not None and self.trainer.training
-            transform = self._device_recipes.setdefault(training, self.recipe(training))
-            batch = decode_batch(encoded, labels.device, self.image_shape[0], transform), labels
+            if training not in self._device_recipes:
+                self._device_recipes[training] = self.recipe(training)
+            batch = decode_batch(encoded, labels.device, self.image_shape[0], self._device_recipes[training]), labels
         return super().on_after_batch_transfer(batch, dataloader_idx)
 
     def _folder(self, split: str, train: bool):

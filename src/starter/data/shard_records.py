@@ -1,11 +1,13 @@
 """One split of a shard set as a map-style data set: record i is read through litdata's StreamingDataset (opened in
-the process that reads it: a loader worker, or this one), its image bytes decoded as the folder path decodes a file.
-torch, torchvision and litdata only: loader workers unpickle it in a fork server without Lightning."""
+the process that reads it: a loader worker, or this one), its image bytes decoded as the folder path decodes a file
+(decode_image_data). torch, torchvision and litdata only: loader workers unpickle it in a fork server without
+Lightning."""
 
 import torch
 from torch.utils.data import Dataset
 
 from starter.data.device_decode import collate_encoded
+from starter.data.image_files import decode_image_data
 from starter.errors import UserError
 
 
@@ -45,8 +47,6 @@ class ShardRecords(Dataset):
     def __getitem__(self, index: int):
         try:
             record = self.records()[index]
-        except UserError:
-            raise
         except Exception as err:  # the store refused or went away (after the store client's own retries)
             reason = (str(err).strip().splitlines() or [""])[0]  # obstore's errors run over many lines
             raise UserError(f"cannot read record {index} of {self.url}: {type(err).__name__}: {reason}") from err
@@ -56,32 +56,10 @@ class ShardRecords(Dataset):
         if self.mode == "encoded":
             return torch.frombuffer(bytearray(record["image"]), dtype=torch.uint8), record["label"]
         try:
-            image = decode(record["image"], self.mode)
+            image = decode_image_data(record["image"], self.mode)
         except ValueError as err:
             raise UserError(f"cannot decode record {index} of {self.url} ({chunk_of(self.url, index)}): {err}") from err
         return (self.transform(image) if self.transform else image), record["label"]
-
-
-def decode(data: bytes, mode: str) -> torch.Tensor:
-    """Encoded image bytes -> uint8 CxHxW, as load_image decodes a file (torchvision; formats it lacks by PIL); bytes
-    that are no image: ValueError, saying why."""
-    import io
-
-    from PIL import Image
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import pil_to_tensor
-
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    try:
-        return decode_image(buffer, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
-    except RuntimeError as err:
-        if "Unsupported image file" not in str(err):
-            raise ValueError(str(err).split(", ")[-1]) from err
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return pil_to_tensor(image.convert(mode))
-    except (OSError, SyntaxError, ValueError) as err:
-        raise ValueError(str(err)) from err
 
 
 def chunk_of(url: str, index: int) -> str:
