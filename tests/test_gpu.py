@@ -91,3 +91,31 @@ def test_non_logging_training_step_makes_no_host_sync_on_cuda(tmp_path):
     assert syncs["non_logging_steps"] >= 10
     assert syncs["syncs_per_non_logging_step"] == 0, syncs["non_logging_sites"]
     assert syncs["syncs_per_evaluation_step"] == 0, syncs["evaluation_sites"]
+
+
+# full examples: begin
+def test_a_resnet50_trains_on_jpegs_decoded_on_the_gpu(tmp_path):
+    # nvJPEG writing memory that the previous step's kernels still read made this loss NaN within 6 steps on an H200
+    # (pytorch/vision#9606): the decoder now runs on a stream of its own (data/device_decode.py)
+    from benchmarks.folder_epoch import CLASSES, write_folder
+
+    write_folder(tmp_path / "images", 128 * 20, CLASSES * 8)
+    folder = [
+        "data=imagenet",
+        f"data.root={tmp_path / 'images'}",
+        f"data.num_classes={CLASSES}",
+        "model=resnet50",
+        "channels_last=true",
+        "precision=bf16-mixed",
+        "data.batch_size=128",
+        "data.num_workers=8",
+        "trainer.limit_train_batches=20",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+    ]
+    run = train_on_gpu([*folder, "data.decode=gpu"], tmp_path)
+    assert run["code"] == 0, run["stderr"]
+    assert 0.0 <= run["metrics"]["test/acc"] <= 1.0
+
+
+# full examples: end

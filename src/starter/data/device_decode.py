@@ -3,6 +3,8 @@ training device in one call (nvJPEG on a GPU; on a CPU, the same call there), an
 augmentation applied there image by image, before the batch is stacked and normalised as any other batch. The bytes
 stay in host memory until decoded: torchvision's decoder reads them there."""
 
+from functools import partial
+
 import torch
 
 from starter.errors import UserError
@@ -45,8 +47,31 @@ def decode_batch(images: tuple[torch.Tensor, torch.Tensor], device: torch.device
                         " use data.decode=cpu for this data")  # fmt: skip
     mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
     try:
-        images = decode_jpeg(list(flat.split(lengths.tolist())), mode=mode, device=device)
+        images = _decode_aside(partial(decode_jpeg, list(flat.split(lengths.tolist())), mode=mode), device)
     except RuntimeError as err:
         raise UserError(f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
                         " data.decode=cpu to have it named") from err  # fmt: skip
     return torch.stack([transform(image) for image in images] if transform else images)
+
+
+_decode_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decode_aside(decode, device: torch.device) -> list[torch.Tensor]:
+    """`decode(device=device)`, on a CUDA device on a stream of its own. nvJPEG's hardware decoder writes its outputs
+    without waiting for the work already queued where they were allocated (pytorch/vision#9606): on the training
+    stream it can be handed memory the previous step is still reading, and the loss turns NaN. On its own stream it
+    only gets memory freed there; the training stream waits for the decode, and each image is marked in use by the
+    training stream, so its memory goes back to the decoder only once the training stream is done with it. No host
+    synchronisation."""
+    if device.type != "cuda":
+        return decode(device=device)
+    if device not in _decode_streams:
+        _decode_streams[device] = torch.cuda.Stream(device)
+    aside, training = _decode_streams[device], torch.cuda.current_stream(device)
+    with torch.cuda.stream(aside):
+        images = decode(device=device)
+    training.wait_stream(aside)
+    for image in images:
+        image.record_stream(training)
+    return images
