@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -149,23 +150,35 @@ class ExitAtFirstStep(L.Callback):
 
 
 class LocalS3:
-    """moto's S3 server on 127.0.0.1, a bucket `shards` in it, and the standard AWS variables that reach it; its
-    log has a line per request."""
+    """moto's S3 server on 127.0.0.1 checking credentials as a real store does, a bucket `shards` in it, and the
+    standard AWS variables that reach it with a user's key; its log has a line per request."""
 
     def __init__(self, folder: Path):
         self.port, self.log = free_port(), folder / "s3.log"
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
-        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
-                    "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        endpoint = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30
         while "Running on" not in self.log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                              aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
-        client.create_bucket(Bucket="shards")
+        # until authentication is switched on, moto takes any key: make a user with one, and the bucket
+        anyone = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="-", aws_secret_access_key="-")
+        iam = boto3.client("iam", **anyone)
+        iam.create_user(UserName="trainer")
+        everything = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument=json.dumps(everything))
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        self.env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        boto3.client("s3", **anyone).create_bucket(Bucket="shards")
+        switch_on = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", b"0", {"Content-Type": "text/plain"})
+        urllib.request.urlopen(switch_on, timeout=10)
 
     def gets(self, prefix: str) -> Counter:
         """How often each object under `prefix` was read."""

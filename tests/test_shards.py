@@ -199,11 +199,24 @@ def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_o
     assert len(chunks) == len(fetched)
 
 
-def test_a_missing_bucket_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):
+def test_a_missing_bucket_wrong_credentials_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):
     missing = train(tmp_path, *SHARDS, "data.source=s3://nobucket/digits", env=s3.env, expect_ok=False)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines()[-1] == (
         "error: s3://nobucket/digits/shards.json: The specified bucket does not exist"
+    )
+    wrong_secret = {**s3.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    refused = train(tmp_path, *SHARDS, "data.source=s3://shards/digits", env=wrong_secret, expect_ok=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: s3://shards/digits/shards.json: The request signature we calculated does not match the signature you"
+        " provided. Check your key and signing method."
+    )
+    unknown_key = {**s3.env, "AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}
+    refused = make_shards("s3://shards/elsewhere", logs=tmp_path / "logs", env=unknown_key)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: s3://shards/elsewhere/shards.json: The AWS Access Key Id you provided does not exist in our records."
     )
     nowhere = {**s3.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "2"}
     unreachable = make_shards("s3://shards/elsewhere", logs=tmp_path / "logs", env=nowhere)
