@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -66,6 +68,40 @@ class TensorRecords:
         return {"index": index, "image": image, "label": int(self.labels[index])}
 
 
+class Counted:
+    """records(i), each one marked made in memory that the writer's forked workers share: the progress bar's count
+    (litdata's own bar moves only as a whole worker finishes)."""
+
+    def __init__(self, records, count: int):
+        import torch
+
+        self.records, self.made = records, torch.zeros(count, dtype=torch.bool).share_memory_()
+
+    def __call__(self, index: int) -> dict:
+        record = self.records(index)
+        self.made[index] = True
+        return record
+
+    def shown_while(self, write, name: str) -> None:
+        from tqdm import tqdm
+
+        done = threading.Event()
+
+        def show() -> None:
+            with tqdm(total=len(self.made), desc=name, unit=" records", dynamic_ncols=True) as bar:
+                while not done.wait(0.5):
+                    bar.update(int(self.made.sum()) - bar.n)
+                bar.update(int(self.made.sum()) - bar.n)
+
+        shower = threading.Thread(target=show, daemon=True)
+        shower.start()
+        try:
+            write()
+        finally:
+            done.set()
+            shower.join()
+
+
 def records_of(dataset, mode: str, check: bool):
     if hasattr(dataset, "samples"):  # torchvision's ImageFolder and those built like it
         return FileRecords([(str(p), int(y)) for p, y in dataset.samples], mode, check), "imagenet"
@@ -121,8 +157,10 @@ def _write_splits(datamodule, cfg: DictConfig, staging: str, out: str) -> tuple[
         records, recipe = records_of(dataset, mode, bool(cfg.check_images))
         recipes.add(recipe)
         print(f"{split}: {len(dataset)} records -> {join(out, split)}", flush=True)
-        optimize(
-            fn=records,
+        counted = Counted(records, len(dataset))
+        write = partial(
+            optimize,
+            fn=counted,
             inputs=list(range(len(dataset))),
             output_dir=join(staging, split),
             chunk_bytes=cfg.chunk_bytes,
@@ -131,7 +169,9 @@ def _write_splits(datamodule, cfg: DictConfig, staging: str, out: str) -> tuple[
             reorder_files=False,
             mode="overwrite" if is_remote(out) else None,
             start_method="fork",  # the workers start with what is imported here (spawn: 4x the time for digits)
+            verbose=False,  # its lines say what the bar and the line above say
         )
+        counted.shown_while(write, split)
         if isinstance(records, FileRecords):
             records.check_all_read()
         sizes[split] = len(dataset)

@@ -4,11 +4,17 @@ builds that store with client options of its own (the environment's AWS_ALLOW_HT
 endpoint we build the store ourselves, with the endpoint of litdata's own boto3 client and the standard AWS
 credentials, and hand it to litdata through its downloader registry; uploads there go through that boto3 client (an
 obstore runtime started in make_shards' process would not survive the fork of its next writer processes). An
-https:// endpoint, or none (AWS), is litdata's own path, untouched."""
+https:// endpoint, or none (AWS), is litdata's own path, untouched. A chunk that cannot be fetched (after the store
+client's retries) is an error of one line naming the object, whatever the endpoint: litdata prints the exception its
+prefetch thread dies of, and obstore's run over a hundred lines."""
 
 import asyncio
 import os
 from urllib.parse import urlparse
+
+
+class ChunkUnreadable(Exception):
+    """A chunk the store did not give (after its client's own retries)."""
 
 
 def use_plain_http_endpoints() -> None:
@@ -22,6 +28,15 @@ def _downloader_class():
     from litdata.streaming.downloader import S3Downloader as LitdataS3Downloader
 
     class S3Downloader(LitdataS3Downloader):
+        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
+            try:
+                super().download_file(remote_filepath, local_filepath)
+            except FileNotFoundError:
+                raise
+            except Exception as err:
+                reason = (str(err).strip().splitlines() or [""])[0]
+                raise ChunkUnreadable(f"{remote_filepath}: {type(err).__name__}: {reason}") from None
+
         def _plain_http(self) -> str | None:
             endpoint = self._client.client.meta.endpoint_url or ""  # as litdata's boto3 client read AWS_ENDPOINT_URL
             return endpoint if endpoint.startswith("http://") else None

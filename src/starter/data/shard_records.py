@@ -48,8 +48,7 @@ class ShardRecords(Dataset):
         try:
             record = self.records()[index]
         except Exception as err:  # the store refused or went away (after the store client's own retries)
-            reason = (str(err).strip().splitlines() or [""])[0]  # obstore's errors run over many lines
-            raise UserError(f"cannot read record {index} of {self.url}: {type(err).__name__}: {reason}") from err
+            raise UserError(f"cannot read record {index} of {self.url}: {_reason(err)}") from err
         if record.get("index") != index:
             raise UserError(f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
                             " order: make it again with make_shards.py")  # fmt: skip
@@ -77,3 +76,16 @@ def chunk_of(url: str, index: int) -> str:
             return chunk["filename"]
         index -= chunk["chunk_size"]
     return "past the last chunk"
+
+
+def _reason(err: Exception) -> str:
+    """The chunk that could not be fetched, where that is the cause (litdata's reader wraps it), or the error's first
+    line (obstore's run over many)."""
+    from starter.data.object_store import ChunkUnreadable
+
+    cause = err
+    while cause is not None and not isinstance(cause, ChunkUnreadable):
+        cause = cause.__cause__
+    if cause is not None:
+        return str(cause)
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
