@@ -385,6 +385,16 @@ def model_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["state_dict"]
 
 
+def start_all(commands_envs, tmp_path):
+    """Start every (command, env) at once (the nodes of one run); wait for each to exit 0; their outputs."""
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for command, env in commands_envs]  # fmt: skip
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return outputs
+
+
 def max_difference(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -20,6 +20,7 @@ from conftest import (
     model_weights,
     run_dirs,
     slurm_env,
+    start_all,
     train,
 )
 from starter.errors import UserError
@@ -36,15 +37,6 @@ def test_one_task_slurm_job_gets_two_distinct_ranks_from_our_launcher(tmp_path):
     (run_dir,) = run_dirs(tmp_path)
     assert sorted(p.name for p in (run_dir / "state_bytes").iterdir()) == ["rank0.json", "rank1.json"]
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in (run_dir / "train.log").read_text()  # one group of 2 (rank 0's log)
-
-
-def start_all(commands_envs, tmp_path):
-    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for command, env in commands_envs]  # fmt: skip
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    return outputs
 
 
 @pytest.mark.slow

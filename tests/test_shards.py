@@ -4,6 +4,7 @@ number of processes and loader workers seeing each remaining sample once, a corr
 one line."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,12 +19,17 @@ from benchmarks.common import LocalS3
 from conftest import (
     MLP_20_STEPS,
     PROBES,
+    QUIET,
     ROOT,
+    SMALL_VIT_20_STEPS,
     as_rank,
     free_port,
+    max_difference,
     model_weights,
     read_metrics,
     run_dirs,
+    start_all,
+    sweep_jobs,
     train,
     trained_weights,
     with_env,
@@ -100,6 +106,17 @@ def test_training_from_shards_gives_the_weights_of_the_data_they_were_made_from(
     assert all(torch.equal(digits_weights[k], shards_weights[k]) for k in digits_weights)
     # evaluation exact: every one of the 269 + 271 samples counted once, on one process or two
     assert read_metrics(from_shards)["test/acc"] == read_metrics(from_digits)["test/acc"]
+
+
+def test_tensor_and_pipeline_parallel_runs_from_shards_train_the_weights_of_their_source(digit_shards, tmp_path):
+    vit = ["-m", "strategy=tp,pp", "devices=2", *SMALL_VIT_20_STEPS, "test=false"]
+    train(tmp_path / "digits", *vit)
+    train(tmp_path / "shards", *vit, *SHARDS, f"data.source={digit_shards}")
+    jobs = sweep_jobs(tmp_path / "digits"), sweep_jobs(tmp_path / "shards")
+    assert [len(j) for j in jobs] == [2, 2]
+    for from_digits, from_shards in zip(*jobs):
+        digits_weights, shards_weights = model_weights(from_digits), model_weights(from_shards)
+        assert all(torch.equal(digits_weights[k], shards_weights[k]) for k in digits_weights)
 
 
 def test_an_image_folder_trains_from_its_shards_as_from_its_files_with_loader_workers(tmp_path):
@@ -197,6 +214,27 @@ def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_o
     # 2 processes, a loader worker each, 4 epochs: every chunk read by the node once, into the shared cache
     assert len(fetched) > 20 and set(fetched.values()) == {1}
     assert len(chunks) == len(fetched)
+
+
+def test_two_nodes_train_from_an_object_store_each_fetching_each_chunk_once(s3, reference_weights, tmp_path):
+    made = make_shards("s3://shards/nodes", "chunk_bytes=2KB", logs=tmp_path / "logs", env=s3.env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    before, port = s3.gets("nodes"), free_port()
+    source = ["data.source=s3://shards/nodes", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS]
+    rendezvous = {**os.environ, **s3.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # the same command on each node; each node's own disk: its own home, where litdata keeps its cache
+    nodes = [
+        ([*command, *SHARDS, *source], {**rendezvous, "NODE_RANK": str(n), "HOME": str(tmp_path / f"node{n}")})
+        for n in (0, 1)
+    ]
+    start_all(nodes, tmp_path)
+    (run_dir,) = run_dirs(tmp_path)
+    assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # as two nodes train from digits
+    fetched = {name: n for name, n in (s3.gets("nodes") - before).items() if "chunk-" in name}
+    cached = [len(list((tmp_path / f"node{n}" / ".lightning" / "chunks").rglob("chunk-*.bin"))) for n in (0, 1)]
+    # a node reads the chunks of its ranks' samples (not all of them in 20 steps), each fetched once into its cache
+    assert min(cached) > 20 and sum(fetched.values()) == sum(cached) and max(fetched.values()) <= 2
 
 
 def test_a_missing_bucket_wrong_credentials_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):
