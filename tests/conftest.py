@@ -457,9 +457,9 @@ def default_run(tmp_path_factory):
     return tmp_path, run_dir, proc
 
 
-def trained_weights(tmp_path: Path, *overrides: str) -> dict:
+def trained_weights(tmp_path: Path, *overrides: str, env: dict | None = None) -> dict:
     """The final weights (model.pt) of `python train.py OVERRIDES`, its one run directory under `tmp_path`."""
-    train(tmp_path, *overrides)
+    train(tmp_path, *overrides, env=env)
     (run_dir,) = run_dirs(tmp_path)
     return model_weights(run_dir)
 

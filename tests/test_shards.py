@@ -194,14 +194,25 @@ def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards,
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
+    """The local store, holding digits' shards at s3://shards/digits in chunks of 2 KB (200 of them)."""
     store = LocalS3(tmp_path_factory.mktemp("s3"))
+    made = make_shards("s3://shards/digits", "chunk_bytes=2KB", logs=tmp_path_factory.mktemp("logs"), env=store.env)
+    assert made.returncode == 0, made.stderr[-3000:]
     yield store
     store.stop()
 
 
+def fetched_chunks(s3: LocalS3, before: Counter) -> dict[str, int]:
+    """How often each chunk of s3://shards/digits was read since `before` (s3.gets("digits") then)."""
+    return {name: n for name, n in (s3.gets("digits") - before).items() if "chunk-" in name}
+
+
+def cached_chunks(home: Path) -> list[Path]:
+    return list((home / ".lightning" / "chunks").rglob("chunk-*.bin"))  # litdata's cache, unless data.cache_dir
+
+
 def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_once_a_node(s3, tmp_path):
-    made = make_shards("s3://shards/digits", "chunk_bytes=2KB", logs=tmp_path / "logs", env=s3.env)
-    assert made.returncode == 0, made.stderr[-3000:]
+    before = s3.gets("digits")
     ddp = [*MLP_20_STEPS, "strategy=ddp", "devices=2"]
     from_digits = trained_weights(tmp_path / "digits", *ddp)
     remote = ["data=shards", "data.source=s3://shards/digits", "data.batch_size=64", "data.num_workers=1",
@@ -210,17 +221,15 @@ def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_o
     from_store = model_weights(run_dirs(tmp_path / "store")[0])
     assert all(torch.equal(from_digits[k], from_store[k]) for k in from_digits)
     chunks = {str(p.relative_to(tmp_path / "cache")) for p in (tmp_path / "cache").rglob("chunk-*.bin")}
-    fetched = {name: n for name, n in s3.gets("digits").items() if "chunk-" in name}
+    fetched = fetched_chunks(s3, before)
     # 2 processes, a loader worker each, 4 epochs: every chunk read by the node once, into the shared cache
     assert len(fetched) > 20 and set(fetched.values()) == {1}
     assert len(chunks) == len(fetched)
 
 
 def test_two_nodes_train_from_an_object_store_each_fetching_each_chunk_once(s3, reference_weights, tmp_path):
-    made = make_shards("s3://shards/nodes", "chunk_bytes=2KB", logs=tmp_path / "logs", env=s3.env)
-    assert made.returncode == 0, made.stderr[-3000:]
-    before, port = s3.gets("nodes"), free_port()
-    source = ["data.source=s3://shards/nodes", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]
+    before, port = s3.gets("digits"), free_port()
+    source = ["data.source=s3://shards/digits", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS]
     rendezvous = {**os.environ, **s3.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     # the same command on each node; each node's own disk: its own home, where litdata keeps its cache
@@ -231,10 +240,21 @@ def test_two_nodes_train_from_an_object_store_each_fetching_each_chunk_once(s3, 
     start_all(nodes, tmp_path)
     (run_dir,) = run_dirs(tmp_path)
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # as two nodes train from digits
-    fetched = {name: n for name, n in (s3.gets("nodes") - before).items() if "chunk-" in name}
-    cached = [len(list((tmp_path / f"node{n}" / ".lightning" / "chunks").rglob("chunk-*.bin"))) for n in (0, 1)]
+    fetched, cached = fetched_chunks(s3, before), [len(cached_chunks(tmp_path / f"node{n}")) for n in (0, 1)]
     # a node reads the chunks of its ranks' samples (not all of them in 20 steps), each fetched once into its cache
     assert min(cached) > 20 and sum(fetched.values()) == sum(cached) and max(fetched.values()) <= 2
+
+
+def test_a_capped_cache_stays_near_its_cap_and_trains_as_the_source(s3, reference_weights, tmp_path):
+    before = s3.gets("digits")
+    capped = [*MLP_20_STEPS, *SHARDS, "data.source=s3://shards/digits", "data.max_cache_size=100KB"]
+    from_store = trained_weights(tmp_path, *capped, env={**s3.env, "HOME": str(tmp_path / "home")})
+    assert all(torch.equal(reference_weights[k], from_store[k]) for k in reference_weights)
+    held = sum(chunk.stat().st_size for chunk in cached_chunks(tmp_path / "home"))
+    fetched = fetched_chunks(s3, before)
+    # the set's chunks hold some 600 KB; the cache keeps to its cap (litdata evicts as it reads: a few chunks over)
+    # and fetches again what it evicted
+    assert held < 200_000 and sum(fetched.values()) > len(fetched)
 
 
 def test_a_missing_bucket_wrong_credentials_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):

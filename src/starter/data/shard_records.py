@@ -35,7 +35,8 @@ class ShardRecords(Dataset):
             from starter.data.object_store import use_plain_http_endpoints
 
             use_plain_http_endpoints()
-            options = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size} if self.cache_dir else {}
+            options = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size}
+            options = {name: value for name, value in options.items() if value is not None}  # else litdata's own
             # read by global index: its own sharding (its len() and slices are a rank's share under a process group)
             # unused. A remote record is read with its chunk, kept in the cache (one download of each chunk a node
             # while the cache holds it), not alone: litdata's on_demand_bytes, settable once its cache exists, is
