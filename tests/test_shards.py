@@ -179,6 +179,19 @@ def test_a_run_resumed_at_another_number_of_processes_and_workers_sees_each_rema
     assert max(epoch_ids(run_dir, 1).values()) == max(epoch_ids(straight_dir, 1).values())  # nothing seen twice more
 
 
+def test_a_set_of_another_format_is_refused_in_one_line_saying_to_make_it_again(digit_shards, tmp_path):
+    older = tmp_path / "older"
+    older.mkdir()
+    described = json.loads((digit_shards / "shards.json").read_text())
+    (older / "shards.json").write_text(json.dumps({**described, "format": 1}))  # its records held Python bytes
+    proc = train(tmp_path, *SHARDS, f"data.source={older}", expect_ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: data.source={older}: a shard set of format 1; this starter reads format 2: make it again with"
+        " make_shards.py"
+    )
+
+
 def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards, tmp_path):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(digit_shards), str(broken)], check=True)

@@ -22,23 +22,24 @@ def load_image(path: str, mode: str = "RGB") -> torch.Tensor:
         raise UserError(f"cannot read image {path}: {err}") from err
 
 
-def decode_image_data(source: str | bytes, mode: str = "RGB") -> torch.Tensor:
-    """An image file (its path) or its encoded bytes as a uint8 CxHxW tensor: JPEG, PNG, WebP and GIF decoded by
-    torchvision (1.4x PIL's images/s, benchmarks/data_paths.py), other formats by PIL; no image: ValueError, saying
-    why."""
+def decode_image_data(source: str | bytes | torch.Tensor, mode: str = "RGB") -> torch.Tensor:
+    """An image file (its path) or its encoded bytes (or a 1-D uint8 tensor of them) as a uint8 CxHxW tensor: JPEG,
+    PNG, WebP and GIF decoded by torchvision (1.4x PIL's images/s, benchmarks/data_paths.py), other formats by PIL; no
+    image: ValueError, saying why."""
     import io
 
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2.functional import pil_to_tensor
 
-    encoded = source if isinstance(source, str) else torch.frombuffer(bytearray(source), dtype=torch.uint8)
+    if isinstance(source, bytes):
+        source = torch.frombuffer(bytearray(source), dtype=torch.uint8)
     try:
-        return decode_image(encoded, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
+        return decode_image(source, mode=ImageReadMode.RGB if mode == "RGB" else ImageReadMode.GRAY)
     except RuntimeError as err:  # "<function>, <source>:<line>, <reason>"
         if "Unsupported image file" not in str(err):
             raise ValueError(str(err).split(", ")[-1]) from err
     try:
-        with Image.open(source if isinstance(source, str) else io.BytesIO(source)) as image:
+        with Image.open(source if isinstance(source, str) else io.BytesIO(source.numpy().tobytes())) as image:
             return pil_to_tensor(image.convert(mode))
     except (OSError, SyntaxError, ValueError) as err:  # PIL's errors for truncated / non-image files
         raise ValueError(str(err)) from err

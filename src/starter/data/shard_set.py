@@ -10,7 +10,7 @@ from starter.errors import UserError
 
 DESCRIPTION = "shards.json"
 SPLITS = ("train", "val", "test")
-FORMAT = 1
+FORMAT = 2  # 2: each image's bytes in a uint8 tensor (1: Python bytes)
 
 
 def is_remote(source: str) -> bool:
