@@ -85,14 +85,6 @@ def test_gpu_extras_train(outcomes, name):
     assert 0.0 <= run["metrics"]["test/acc"] <= 1.0
 
 
-def test_non_logging_training_step_makes_no_host_sync_on_cuda(tmp_path):
-    syncs = host_syncs([*CNN, "accelerator=gpu", "devices=1", "precision=bf16-mixed", "channels_last=true",
-                   "data.train_size=1024", "trainer.enable_progress_bar=true"], tmp_path)["rank0"]  # fmt: skip
-    assert syncs["non_logging_steps"] >= 10
-    assert syncs["syncs_per_non_logging_step"] == 0, syncs["non_logging_sites"]
-    assert syncs["syncs_per_evaluation_step"] == 0, syncs["evaluation_sites"]
-
-
 # full examples: begin
 def test_a_resnet50_trains_on_jpegs_decoded_on_the_gpu(tmp_path):
     # nvJPEG writing memory that the previous step's kernels still read made this loss NaN within 6 steps on an H200
@@ -119,3 +111,9 @@ def test_a_resnet50_trains_on_jpegs_decoded_on_the_gpu(tmp_path):
 
 
 # full examples: end
+def test_non_logging_training_step_makes_no_host_sync_on_cuda(tmp_path):
+    syncs = host_syncs([*CNN, "accelerator=gpu", "devices=1", "precision=bf16-mixed", "channels_last=true",
+                   "data.train_size=1024", "trainer.enable_progress_bar=true"], tmp_path)["rank0"]  # fmt: skip
+    assert syncs["non_logging_steps"] >= 10
+    assert syncs["syncs_per_non_logging_step"] == 0, syncs["non_logging_sites"]
+    assert syncs["syncs_per_evaluation_step"] == 0, syncs["evaluation_sites"]
