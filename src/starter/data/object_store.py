@@ -17,6 +17,11 @@ class ChunkUnreadable(Exception):
     """A chunk the store did not give (after its client's own retries)."""
 
 
+def first_line(err: BaseException) -> str:
+    """'Type: the first line of its message' (obstore's errors run over a hundred lines)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
 def use_plain_http_endpoints() -> None:
     """litdata's s3:// reads and writes in this process, and those forked from it, through S3Downloader below."""
     from litdata.streaming.downloader import register_downloader
@@ -34,8 +39,7 @@ def _downloader_class():
             except FileNotFoundError:
                 raise
             except Exception as err:
-                reason = (str(err).strip().splitlines() or [""])[0]
-                raise ChunkUnreadable(f"{remote_filepath}: {type(err).__name__}: {reason}") from None
+                raise ChunkUnreadable(f"{remote_filepath}: {first_line(err)}") from None
 
         def _plain_http(self) -> str | None:
             endpoint = self._client.client.meta.endpoint_url or ""  # as litdata's boto3 client read AWS_ENDPOINT_URL

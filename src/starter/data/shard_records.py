@@ -98,12 +98,10 @@ def chunk_of(url: str, index: int) -> str:
 
 def _reason(err: Exception) -> str:
     """The chunk that could not be fetched, where that is the cause (litdata's reader wraps it), or the error's first
-    line (obstore's run over many)."""
-    from starter.data.object_store import ChunkUnreadable
+    line."""
+    from starter.data.object_store import ChunkUnreadable, first_line
 
     cause = err
     while cause is not None and not isinstance(cause, ChunkUnreadable):
         cause = cause.__cause__
-    if cause is not None:
-        return str(cause)
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+    return str(cause) if cause is not None else first_line(err)
