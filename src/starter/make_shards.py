@@ -119,11 +119,14 @@ def records_of(dataset, mode: str, check: bool):
 def make_shards(cfg: DictConfig) -> str:
     from hydra.utils import instantiate
 
+    from starter.preflight import settle_num_classes
+
     out = str(cfg.out).rstrip("/")
     if read_text(join(out, DESCRIPTION)) is not None:
         return f"{out} already holds a finished shard set ({DESCRIPTION}): nothing written; remove it to write it again"
     if not is_remote(out) and Path(out).exists():
         raise UserError(f"out={out} exists and is no finished shard set: name a new directory (or remove it)")
+    settle_num_classes(cfg)  # an image folder's, from its class folders, as train.py reads it
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")

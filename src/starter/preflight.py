@@ -30,7 +30,7 @@ def prepare(cfg: DictConfig) -> Layout:
     _settle_shards(cfg)  # full examples
     global_batch = int(cfg.data.batch_size) if data_shards_itself(cfg.data) else None
     layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)
-    _settle_num_classes(cfg)
+    settle_num_classes(cfg)
     _check_capabilities(cfg, traits, layout)
     if pipelined(cfg.strategy, layout):
         check_pipeline(cfg, layout, global_batch)
@@ -144,7 +144,7 @@ def _settle_shards(cfg: DictConfig) -> None:
 
 
 # full examples: end
-def _settle_num_classes(cfg: DictConfig) -> None:
+def settle_num_classes(cfg: DictConfig) -> None:
     """An image folder's class count, when the config leaves it out (null): its class folders under train/."""
     if cfg.data.get("num_classes", 0) is not None or "root" not in cfg.data:
         return
