@@ -310,6 +310,15 @@ def test_empty_split_is_refused_before_training(tmp_path):
     assert proc.returncode == 2 and "error: data.split=[0.85, 0.15, 0.0]: every split needs samples" in proc.stderr
 
 
+def test_a_train_split_smaller_than_one_batch_is_refused_rather_than_trained_for_no_step(tmp_path):
+    proc = train(tmp_path, "data.batch_size=2048", expect_ok=False)  # digits: 1,257 training images
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the train split's 1257 samples make no whole batch of data.batch_size=2048; use data.batch_size=1257"
+        " or less"
+    )
+
+
 def test_unwritable_output_directory_is_one_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

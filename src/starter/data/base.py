@@ -74,6 +74,12 @@ class ShardedDataModule(L.LightningDataModule):
                 sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)
             else:
                 sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed, drop_last=True)
+            if len(sampler) < batch_size:  # whole batches only: not one step would run, and nothing would say so
+                most = len(sampler) * world
+                raise UserError(
+                    f"the train split's {len(dataset)} samples make no whole batch of data.batch_size="
+                    f"{self.batch_size}; use data.batch_size={most} or less"
+                )
             batches = ResumableBatches(sampler, batch_size, drop_last=True)
             return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
