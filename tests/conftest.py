@@ -72,18 +72,19 @@ def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
             "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
 
 
-def wait_for_beat(port: int, rank: int, torchrun_id: str | None = None) -> None:
-    """Until `rank`'s watchdog has beaten in the run's store: at MASTER_PORT (our launcher's nodes, srun's tasks), or
-    under torchrun (its run id, first attempt) on the port rank 0 published in torchrun's agent store there."""
+def wait_for_beat(port: int, rank: int, run_id: str | None = None, torchrun: bool = False) -> None:
+    """Until `rank`'s watchdog has beaten in the run's store: at MASTER_PORT (srun's tasks; torch's agent that
+    train.py starts: under its run id, the run's name), or under torchrun (its run id) on the port rank 0 published in
+    torchrun's agent store there. The first attempt's."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     from starter.launch.watchdog import KEY
 
-    store, prefix = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), KEY
-    if torchrun_id is not None:
-        prefix = f"{KEY}/{torchrun_id}/0"
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    prefix = KEY if run_id is None else f"{KEY}/{run_id}/0"
+    if torchrun:
         served = int(store.get(f"{prefix}/store_port"))
         store = TCPStore("127.0.0.1", served, is_master=False, timeout=timedelta(seconds=60))
     deadline = time.monotonic() + 60
@@ -272,10 +273,10 @@ def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", t
 class ProcessOutput:
     """stdout and stderr of the runs made in this process, of their workers too: two pipes that threads here read.
 
-    A launcher run here forks its workers from a fork server that this process starts once and that outlives the
-    run (as in a sweep), so the workers write where the server's stdout and stderr lead: fd 1 and 2 of this process
-    at the time, these pipes, kept for the session. After a run (its workers have ended) a marker written into each
-    pipe tells its reader where the run's output ends; what comes between runs is dropped."""
+    A run of several processes here has torch's agent fork its workers from a fork server that this process starts
+    once and that outlives the run (as in a sweep), so the workers write where the server's stdout and stderr lead:
+    fd 1 and 2 of this process at the time, these pipes, kept for the session. After a run (its workers have ended) a
+    marker written into each pipe tells its reader where the run's output ends; what comes between runs is dropped."""
 
     END = b"\0end of run\0"
 
@@ -339,8 +340,8 @@ def process_output() -> ProcessOutput:
 def fork_server_writing_into_the_runs_output():
     """This process's fork server, started before any test: a process has one (multiprocessing's forkserver, with the
     first caller's preload), and a test's own DataLoader workers could otherwise start it with that test's captured
-    output as its stdout and stderr, where the workers of every later launcher run here would write. Preloaded as a
-    launcher's (Lightning), so its workers start at once."""
+    output as its stdout and stderr, where the workers of every later run of several processes here would write.
+    Preloaded as train.py's (Lightning), so its workers start at once."""
     from starter.launch.fork_server import fork_server
     from starter.main import TRAIN, worker_preload
 

@@ -210,23 +210,20 @@ class HangsAtFetch(Dataset):
     collate_fn = staticmethod(already_batched)
 
 
-def wait_for_a_stop_signal(env: dict, config_path: str, port_to, job: str) -> None:
-    """A stand-in for a launched worker (launch/worker.py's `forked`): says it is ready, then writes the name of the
-    first stop signal it gets beside `config_path`, as `rank<RANK>`, and exits 143 as a worker that saved."""
+def wait_for_a_stop_signal(cfg) -> None:
+    """A stand-in for a worker's job: says it is ready, then writes the name of the first stop signal it gets beside
+    its log file, as `rank<RANK>`, and exits 143 as a worker that saved."""
     import time
 
     got = []
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, lambda number, frame: got.append(signal.Signals(number).name))
-    if port_to is not None:  # rank 0 of one node says the port of the store it would serve
-        port_to.send(1)
-        port_to.close()
-    folder = Path(config_path).parent
-    (folder / f"ready{env['RANK']}").touch()
+    folder, rank = Path(cfg.log_file).parent, os.environ["RANK"]
+    (folder / f"ready{rank}").touch()
     while not got:
         time.sleep(0.01)
-    (folder / f"rank{env['RANK']}").write_text(got[0])
-    os._exit(143)
+    (folder / f"rank{rank}").write_text(got[0])
+    raise SystemExit(143)
 
 
 class TakesBranches(torch.nn.Module):

@@ -57,7 +57,7 @@ def test_the_clip_value_clips_every_step(clipped):
 
 @pytest.mark.parametrize("strategy", CLIPPED_ON_TWO)
 def test_two_processes_clip_by_the_norm_of_the_whole_model(strategy, clipped, clipped_on_two):
-    job = clipped_on_two[strategy]  # a multirun of jobs of our launcher and of ddp_spawn: each job its strategy
+    job = clipped_on_two[strategy]  # a multirun of forkserver jobs and of ddp_spawn: each job its strategy
     assert f"name: {strategy}\n" in (job / "config.yaml").read_text() and (job / "metrics.json").is_file()
     assert max_difference(clipped[0], model_weights(job)) <= SAME
 

@@ -150,14 +150,16 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
 FORWARDS = """
 import os, signal, sys, threading, time
 from pathlib import Path
-from probes import wait_for_a_stop_signal
-from starter.launch.launcher import WorkerFailed, launch_workers
+from omegaconf import OmegaConf
+from starter.launch.agent import WorkerFailed, start_workers
 from starter.topology import Layout
 
 stop_signals = sys.argv[2:]
 for name in stop_signals:  # one launch per signal, as a scheduler would send it to the job's train.py
     run = Path(sys.argv[1]) / name
     run.mkdir()
+    OmegaConf.save({"log_file": str(run / "train.log"), "heartbeat_timeout_s": 60, "stall_timeout_s": 60,
+                    "stop_signals": stop_signals}, run / "config.yaml")
 
     def send(run=run, name=name):
         while len(list(run.glob("ready*"))) < 2:
@@ -166,8 +168,8 @@ for name in stop_signals:  # one launch per signal, as a scheduler would send it
 
     threading.Thread(target=send).start()
     try:
-        launch_workers(wait_for_a_stop_signal, "", ("probes",), run / "config.yaml", Layout(1, 2),
-                       stop_signals=stop_signals)
+        start_workers("probes:wait_for_a_stop_signal", ("probes",), run / "config.yaml", Layout(1, 2), name,
+                      stop_signals=stop_signals)
     except WorkerFailed as failed:
         print(name, failed.exit_code, failed.message, flush=True)
 """
@@ -410,7 +412,7 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
 
 
 # full examples: end
-@pytest.mark.parametrize("launched_by,fault", [("our launcher on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
+@pytest.mark.parametrize("launched_by,fault", [("train.py on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
                                                ("srun", "SIGKILL")])  # fmt: skip
 def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):
     # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it, and
@@ -426,9 +428,10 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
         stopped, node = procs[1].pid, 0
     else:
         procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
-    wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    wait_for_beat(port, rank=1)  # a rank that never beat would get the startup allowance (60 s)
-    victim = stopped if launched_by != "our launcher on two nodes" else worker_of_rank(procs[1], 1)
+    last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+    run_id = None if launched_by == "srun" else last.parents[1].name  # torch's agent's: the run's name
+    wait_for_beat(port, rank=1, run_id=run_id)  # a rank that never beat would get the startup allowance (60 s)
+    victim = stopped if launched_by != "train.py on two nodes" else worker_of_rank(procs[1], 1)
     os.kill(victim, signal.Signals[fault])
     stopped_at = time.monotonic()
     codes, ended, lines = exits(procs, timeout=60)
@@ -438,7 +441,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     assert gone(victim)
     said = f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost); every process of"
     # once by rank 0, which found it; on two nodes node 1's launcher says it too (read from the run's store)
-    assert lines == [f"{said} the run stops"] * (2 if launched_by == "our launcher on two nodes" else 1)
+    assert lines == [f"{said} the run stops"] * (2 if launched_by == "train.py on two nodes" else 1)
 
 
 def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):

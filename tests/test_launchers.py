@@ -21,7 +21,7 @@ def test_slurm_launcher_takes_nodes_and_devices_and_lets_slurm_start_the_ranks(t
     launcher = cfg.hydra.launcher
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
     assert launcher.max_num_timeout == 3 and launcher._target_.endswith("SlurmLauncher")
-    assert launched_by(Layout.of(cfg).world, multi_process=True) == "ours"  # on a login node: our launcher would
+    assert launched_by(Layout.of(cfg).world, multi_process=True) == "ours"  # on a login node: train.py's agent would
     monkeypatch.setenv("SLURM_NTASKS", "8")
     assert launched_by(Layout.of(cfg).world, multi_process=True) == "slurm"  # inside the job: SLURM started all 8
 

@@ -60,7 +60,7 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     # restart wrote into the first attempt's directory and resumed it
     assert "devices: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
     assert f"ckpt_path=auto -> {run_dir / 'checkpoints' / 'last.ckpt'} (resuming this run)" in out + err
-    reference = train(tmp_path / "reference", *job, "devices=2")  # the same job, uninterrupted (our launcher)
+    reference = train(tmp_path / "reference", *job, "devices=2")  # the same job, uninterrupted (train.py's agent)
     (reference_dir,) = run_dirs(tmp_path / "reference")
     restarted, whole = (model_weights(d) for d in (run_dir, reference_dir))
     assert reference.returncode == 0 and restarted.keys() == whole.keys()
@@ -76,7 +76,7 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(tmp_path, proc, epochs=1)
-    wait_for_beat(port, rank=1, torchrun_id="stopped")
+    wait_for_beat(port, rank=1, run_id="stopped", torchrun=True)
     os.kill(worker_of_rank(proc, 1), signal.SIGSTOP)
     stopped_at = time.monotonic()
     _, err = proc.communicate(timeout=120)

@@ -54,10 +54,11 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
             metrics = job_function(job)(OmegaConf.load(config_path))
     except UserError as err:
         if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
-            from starter.launch.launcher import node_store
-            from starter.launch.watchdog import linger_s, report
+            from starter.launch.agent import node_store
+            from starter.launch.watchdog import key_prefix, linger_s, report
 
-            report(node_store(), USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", _node_rank())
+            line, prefix = f"node {_node_rank()}: {one_line(err)}", key_prefix(run_id(cfg))  # the workers' keys
+            report(node_store(), USER_ERROR_EXIT_CODE, line, _node_rank(), prefix)
             if _node_rank() == 0 and node_store() is not None:
                 time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
         else:
@@ -112,7 +113,7 @@ def what_runs(cfg: DictConfig, layout: Layout) -> str:
 def worker_preload(job: str) -> tuple[str, ...]:
     """What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it
     asking CUDA anything (a CUDA driver initialised before a fork fails in the forked workers)."""
-    return "starter.launch.worker", job.split(":")[0]
+    return "starter.launch.agent", job.split(":")[0]
 
 
 def job_function(job: str) -> Callable[[DictConfig], dict]:
@@ -121,20 +122,24 @@ def job_function(job: str) -> Callable[[DictConfig], dict]:
 
 
 def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict:
-    """One worker per device of this node, started by our launcher; rank 0 writes the run's outputs."""
-    from starter.launch.launcher import WorkerFailed, launch_workers
+    """One worker per device of this node, started by torch's elastic agent; rank 0 writes the run's outputs."""
+    from starter.launch.agent import WorkerFailed, start_workers
     from starter.launch.watchdog import linger_s
-    from starter.launch.worker import forked
 
     try:
-        launch_workers(forked, job, worker_preload(job), config_path, layout, Traits.of(cfg.strategy).launcher,
-                       stop_signals=list(cfg.stop_signals), linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
+        start_workers(job, worker_preload(job), config_path, layout, run_id(cfg), Traits.of(cfg.strategy).launcher,
+                      stop_signals=list(cfg.stop_signals), linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
             print(f"error: {err.message}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
     metrics = Path(cfg.paths.output_dir) / "metrics.json"  # where the job reports figures (training does)
     return json.loads(metrics.read_text()) if _node_rank() == 0 and metrics.is_file() else {}
+
+
+def run_id(cfg: DictConfig) -> str:
+    """The agent's run id: the run directory's name, which every node's job shares (run_name.py)."""
+    return Path(cfg.paths.output_dir).name
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:

@@ -18,7 +18,7 @@ Support = bool | str
 
 @dataclass(frozen=True)
 class Traits:
-    launcher: str | None = None  # how our launcher (launch/launcher.py) starts one process per device: "forkserver"
+    launcher: str | None = None  # how torch's agent (launch/agent.py) starts one process per device: "forkserver"
     # or "spawn"; None: the run is this one process
     one_process: str | None = None  # what a run of one process trains with instead (ddp: auto, nothing to reduce)
     devices_per_process: str = "one"  # or "all": one process drives every device it is given (dp; needs CUDA)

@@ -28,7 +28,7 @@ def torchrun_id() -> str | None:
 
 
 def launched_by(world: int, multi_process: bool) -> str | None:
-    """Who starts the ranks: "torchrun" or "slurm" (each rank runs train.py already), "ours" (launch/launcher.py), or
+    """Who starts the ranks: "torchrun" or "slurm" (each rank runs train.py already), "ours" (launch/agent.py), or
     None (this process is the whole run, or another launcher started it: LOCAL_RANK set)."""
     if external := external_launcher(world):
         return external
@@ -71,7 +71,7 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
 
 
 def check_rendezvous(nodes: int) -> None:
-    """The rendezvous variables our launcher needs on every node, checked before anything waits on them."""
+    """The rendezvous variables train.py's agent needs on every node, checked before anything waits on them."""
     if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
         raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
     if nodes == 1:

@@ -2,7 +2,7 @@
 fork copies the threads' state at an arbitrary instant: a lock one held stays held in the child). Python's forkserver
 imported `preload` once, so workers start as fast as a fork (without it, each loader iterator imports torch: 1.7 s).
 A server starts once, with its first caller's preload, and ignores the scheduler's signals (one ended could not report
-its children's exits); our launcher's workers restore them, loader workers end with their loaders.
+its children's exits); the agent's workers restore them, loader workers end with their loaders.
 """
 
 import multiprocessing

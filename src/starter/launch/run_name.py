@@ -1,6 +1,6 @@
 """The `run_name` resolver: this run's directory name, the same in every process. A time stamp, shared where several
 processes compose the config: torchrun's rank 0's through torchrun's store (restarts keep it); node 0's through the
-nodes' store (launcher.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
+nodes' store (agent.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
 `ckpt_path=auto` finds its directory)."""
 
 import os
@@ -26,10 +26,11 @@ def run_name(num_nodes: int = 1) -> str:
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
     if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
-        from starter.launch.launcher import join_nodes
+        from starter.launch.agent import join_nodes
 
         node_zero = int(os.environ["NODE_RANK"]) == 0
-        return _share(join_nodes(serve=node_zero), KEY, stamp, first=node_zero)
+        store = join_nodes(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), serve=node_zero)
+        return _share(store, KEY, stamp, first=node_zero)
     return stamp  # anything missing for several nodes is reported in one line by preflight.prepare
 
 

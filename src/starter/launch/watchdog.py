@@ -29,9 +29,10 @@ KEY = "starter/watchdog"
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
 
 
-def key_prefix() -> str:
-    """Namespaced per torchrun attempt: its agent's store outlives a restart, and the old keys must not stop it."""
-    if (run_id := torchrun_id()) is not None:
+def key_prefix(run_id: str | None = None) -> str:
+    """Namespaced per run id and attempt of torch's agent (this process's, or `run_id`'s first): the agent's store
+    outlives a restart, and the old keys must not stop it."""
+    if (run_id := run_id or torchrun_id()) is not None:
         return f"{KEY}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return KEY
 
@@ -49,12 +50,12 @@ def where(rank: int, ranks_per_node: int) -> str:
     return f"rank {rank} (node {rank // ranks_per_node})"
 
 
-def report(store, code: int, line: str, node: int = 0) -> bool:
+def report(store, code: int, line: str, node: int = 0, prefix: str | None = None) -> bool:
     """Write `failed` unless a process did first; print `line` only then. Returns whether this was the first.
     `node`: the node whose process met it (another node's launcher says it too)."""
     mine = f"{code}|{node}|{line}"
     try:
-        first = store is None or store.compare_set(f"{key_prefix()}/failed", "", mine).decode() == mine
+        first = store is None or store.compare_set(f"{prefix or key_prefix()}/failed", "", mine).decode() == mine
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
     if first:
@@ -62,10 +63,10 @@ def report(store, code: int, line: str, node: int = 0) -> bool:
     return first
 
 
-def failure(store) -> tuple[int, str, int] | None:
+def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
     """(code, line, node) that a process reported; None where none did, or the store is None or gone (its holder has
     ended: the watchdogs say why)."""
-    key = f"{key_prefix()}/failed"
+    key = f"{prefix or key_prefix()}/failed"
     try:
         if store is None or not store.check([key]):
             return None
@@ -105,9 +106,9 @@ class Watchdog:
     def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
                  stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
                  stop_signal: int = signal.SIGTERM):  # fmt: skip
-        """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: our launcher, which
-        this process outlives only to save and stop (`stop_signal`); without one (torchrun, srun) nothing else would
-        kill a stopped rank, so the watchdog that names it does."""
+        """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the train.py whose
+        agent started this process, which it outlives only to save and stop (`stop_signal`); without one (torchrun,
+        srun) nothing else would kill a stopped rank, so the watchdog that names it does."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
@@ -191,8 +192,9 @@ class Watchdog:
         prefix = key_prefix()
         watched = range(self.world) if self.rank == 0 else [0]
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
-        store = None
-        while not self.stopping.wait(self.interval):
+        store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
+        while not self.stopping.wait(wait):
+            wait = self.interval
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
                 os.kill(os.getpid(), self.stop_signal)
             try:
@@ -234,7 +236,7 @@ class Watchdog:
         return f"{boundaries}|{loops}|{at}"
 
     def _launcher_is_gone(self) -> bool:
-        """True once, to the first caller (the beat or stop()) that finds our launcher gone; local rank 0 says it."""
+        """True once, to the first caller (the beat or stop()) that finds its train.py gone; local rank 0 says it."""
         with self.saying:
             pid = self.launcher_pid
             if not pid or not gone(pid):
