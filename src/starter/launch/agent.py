@@ -26,7 +26,7 @@ from pathlib import Path
 
 from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 from starter.launch.fork_server import SERVER_IGNORES, fork_server
-from starter.launch.watchdog import failure, gone, key_prefix, process_state, report, where
+from starter.launch.watchdog import failure, key_prefix, process_state, report, where
 from starter.topology import Layout
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
@@ -142,11 +142,13 @@ def _all_nodes_here(store, prefix: str, nodes: int, node: int, wait_s: float) ->
 
 class Oversight:
     """What the agent does not do: ends this node's workers when another node's process has reported a failure, and
-    kills a stopped worker at once (it cannot act on the agent's SIGTERM, which waits 30 s before a SIGKILL)."""
+    kills a stopped worker as soon as the agent is stopping it (it cannot act on the agent's SIGTERM, after which the
+    agent waits 30 s before a SIGKILL). Not before: the agent names the first worker that ended, not one killed here."""
 
     def __init__(self, store, prefix: str, node: int, per_node: int):
         self.store, self.prefix, self.node, self.per_node = store, prefix, node, per_node
         self.found: WorkerFailed | None = None
+        self.pids: dict[int, int] = {}  # rank: pid, of this node's workers
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="oversight", daemon=True)
         self.thread.start()
@@ -176,23 +178,26 @@ class Oversight:
         polls = 0
         while not self.stopping.wait(0.2):
             pids = self._workers()
-            if any(gone(pid) for pid in pids):  # the agent stops the others: a stopped one cannot act on it
-                for pid in pids:
-                    if process_state(pid) in STOPPED:
-                        _signal(pid, signal.SIGKILL)
+            for pid in pids:  # the agent is stopping the workers (after it has named the first failure)
+                if process_state(pid) in STOPPED and _pending(pid, signal.SIGTERM):
+                    _signal(pid, signal.SIGKILL)
             polls += 1
             if polls % 5 == 0 and self._reported():  # this node's workers may be unable to leave
                 for pid in pids:
                     _signal(pid, signal.SIGKILL if process_state(pid) in STOPPED else signal.SIGTERM)
 
     def _workers(self) -> list[int]:
-        """The pids this node's workers published in the store (their watchdogs' first beat)."""
+        """The pids this node's workers published in the store (their watchdogs' first beat), each read once: the
+        store may be another node's, and a worker's pid does not change (the agent restarts none)."""
         first = self.node * self.per_node
-        keys = [f"{self.prefix}/process/{rank}" for rank in range(first, first + self.per_node)]
-        try:
-            return [int(self.store.get(key).decode().split()[1]) for key in keys if self.store.check([key])]
-        except Exception:
-            return []
+        for rank in range(first, first + self.per_node):
+            key = f"{self.prefix}/process/{rank}"
+            try:
+                if rank not in self.pids and self.store.check([key]):
+                    self.pids[rank] = int(self.store.get(key).decode().split()[1])
+            except Exception:
+                break  # the store is gone: the watchdogs say so
+        return list(self.pids.values())
 
     def stop(self) -> None:
         self.stopping.set()
@@ -253,6 +258,16 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
         # would free every module first (the exit hooks run last registered first).
         atexit.register(os._exit, stop.code)
         sys.exit(stop.code)
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` sent to process `pid` waits for it to act on it (proc(5): ShdPnd, a mask of signals)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
 def _signal(pid: int, signum: int) -> None:
