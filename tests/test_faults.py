@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import (
     PROBES,
     QUIET,
     ROOT,
+    descendants,
     free_port,
     kill_with_descendants,
     on_cpu,
@@ -145,6 +147,31 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", out)  # rank 0's line
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
+
+
+@pytest.mark.parametrize("layout", ["1 process", "2 processes", "two nodes"])
+def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
+    # The terminal sends SIGINT to its whole foreground group: train.py, torch's agent in it, the fork server and the
+    # workers. Lightning catches it in fit and exits 1, torch's agent lets it through its loop (a traceback); on two
+    # nodes (Ctrl-C in node 1's terminal) node 0's rank would blame its broken collective, or wait for rank 1's beat.
+    said = "error: interrupted (Ctrl-C); to continue from the newest checkpoint saved: ckpt_path=last"
+    if layout == "two nodes":
+        port = free_port()
+        procs = [start_node(tmp_path, node, port, "trainer.max_epochs=1000", start_new_session=True) for node in (0, 1)]
+        expected = ["error: node 1 was interrupted (Ctrl-C)", said]  # node 0's, then node 1's
+    else:
+        run = LONG_DDP if layout == "2 processes" else ["trainer.max_epochs=1000"]
+        command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(run)]
+        procs = [subprocess.Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)]
+        expected = [said]
+    last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+    workers = [pid for proc in procs for pid in descendants(proc.pid)]
+    os.killpg(procs[-1].pid, signal.SIGINT)
+    interrupted_at = time.monotonic()
+    codes, ended, lines = exits(procs, timeout=60)
+    assert codes == [130] * len(procs) and lines == expected, (codes, lines)
+    assert max(ended) - interrupted_at < 10 and all(gone(pid) for pid in workers)
+    assert torch.load(last, weights_only=True)["global_step"] > 0  # what was saved before is whole
 
 
 FORWARDS = """
@@ -349,13 +376,12 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
     assert rows == [(epoch, step) for step in range(10) for epoch in [step // 5]]
 
 
-def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None) -> subprocess.Popen:
+def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None, **popen):
     """`train.py` as node `node` of two, one process each, on localhost; `cwd` stands for the node's own disk."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]  # fmt: skip
-    return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True, **popen)
 
 
 def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int], list[float], list[str]]:

@@ -4,12 +4,14 @@ an end without the interpreter's teardown."""
 import atexit
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
 USER_ERROR_EXIT_CODE = 2  # bad config, missing data: one line says what to do instead
 LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request after saving checkpoints/last.ckpt
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: Ctrl-C
 
 
 class UserError(Exception):
@@ -24,20 +26,35 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-def end_without_teardown(main: Callable[[], object]) -> None:
+def end_without_teardown(main: Callable[[], object], interrupted: str = "") -> None:
     """Runs `main`; the process then ends as usual (threads joined, exit hooks run) but without freeing every module:
     1.5-2.5 s of native destructors where Lightning is imported. Registered before the run's own exit hooks, so it
-    runs after them (last registered, first run)."""
-    code = [0]
+    runs after them (last registered, first run). Ctrl-C ends it with one line (`interrupted` added to it), exit
+    130: also where Lightning caught the KeyboardInterrupt and exited 1, or torch's agent let it through its loop."""
+    code, ctrl_c = [0], []
+
+    def on_ctrl_c(signum, frame):
+        ctrl_c.append(signum)
+        raise KeyboardInterrupt
+
     atexit.register(lambda: _end(code[0]))
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         main()
+        return
     except SystemExit as stop:
         code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        if not (ctrl_c and code[0]):
+            raise
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        code[0] = 1
         raise
-    except BaseException as err:
-        code[0] = 130 if isinstance(err, KeyboardInterrupt) else 1
-        raise
+    code[0] = INTERRUPTED_EXIT_CODE
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # torchrun's, srun's: said once
+        print(f"error: interrupted (Ctrl-C){interrupted}", file=sys.stderr, flush=True)
+    raise SystemExit(INTERRUPTED_EXIT_CODE)
 
 
 def _end(code: int) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from starter.errors import USER_ERROR_EXIT_CODE, UserError, one_line
+from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
 from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
@@ -52,21 +52,30 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
                 metrics = job_function(job)(OmegaConf.load(config_path))
         else:
             metrics = job_function(job)(OmegaConf.load(config_path))
+    except KeyboardInterrupt:  # Ctrl-C in this node's terminal: errors.end_without_teardown says it here
+        if int(cfg.num_nodes) > 1:
+            _tell_the_other_nodes(cfg, INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)")
+        raise
     except UserError as err:
         if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
-            from starter.launch.agent import node_store
-            from starter.launch.watchdog import key_prefix, linger_s, report
-
-            line, prefix = f"node {_node_rank()}: {one_line(err)}", key_prefix(run_id(cfg))  # the workers' keys
-            report(node_store(), USER_ERROR_EXIT_CODE, line, _node_rank(), prefix)
-            if _node_rank() == 0 and node_store() is not None:
-                time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
+            _tell_the_other_nodes(cfg, USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", say=True)
         else:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
             if layout is None and process_rank() == 0:
                 _remove_unstarted_run_dir()
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
+    """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
+    workers read it: they leave with `code`, saying it."""
+    from starter.launch.agent import node_store
+    from starter.launch.watchdog import key_prefix, linger_s, report
+
+    report(node_store(), code, line, _node_rank(), key_prefix(run_id(cfg)), say=say)  # under the workers' keys
+    if _node_rank() == 0 and node_store() is not None:
+        time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
 
 
 def _remove_unstarted_run_dir() -> None:

@@ -50,15 +50,15 @@ def where(rank: int, ranks_per_node: int) -> str:
     return f"rank {rank} (node {rank // ranks_per_node})"
 
 
-def report(store, code: int, line: str, node: int = 0, prefix: str | None = None) -> bool:
-    """Write `failed` unless a process did first; print `line` only then. Returns whether this was the first.
-    `node`: the node whose process met it (another node's launcher says it too)."""
+def report(store, code: int, line: str, node: int = 0, prefix: str | None = None, say: bool = True) -> bool:
+    """Write `failed` unless a process did first; print `line` only then (if `say`). Returns whether this was the
+    first. `node`: the node whose process met it (another node's launcher says it too)."""
     mine = f"{code}|{node}|{line}"
     try:
         first = store is None or store.compare_set(f"{prefix or key_prefix()}/failed", "", mine).decode() == mine
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
-    if first:
+    if first and say:
         print(f"error: {line}", file=sys.stderr, flush=True)
     return first
 
