@@ -124,6 +124,17 @@ def kill_with_descendants(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@contextmanager
+def reaped(*procs: subprocess.Popen):
+    """Whatever a failing test leaves running (a torchrun that timed out, its workers) ends with the test."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_with_descendants(proc)
+
+
 def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
     """The pid of the worker of `rank` among the launcher's descendants: our workers are named after their rank
     (children of its fork server), torchrun's have RANK in their environment."""

@@ -19,6 +19,7 @@ from conftest import (
     max_difference,
     model_weights,
     read_metrics,
+    reaped,
     run_dirs,
     sweep_jobs,
     train,
@@ -52,9 +53,10 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *job, "ckpt_path=auto",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_checkpoint(tmp_path, proc, epochs=1)
-    os.kill(worker_of_rank(proc, 1), signal.SIGKILL)  # torchrun stops rank 0 and starts both again
-    out, err = proc.communicate(timeout=300)
+    with reaped(proc):
+        wait_for_checkpoint(tmp_path, proc, epochs=1)
+        os.kill(worker_of_rank(proc, 1), signal.SIGKILL)  # torchrun stops rank 0 and starts both again
+        out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     (run_dir,) = run_dirs(tmp_path)  # both ranks composed the config, agreed on rank 0's directory, and the
     # restart wrote into the first attempt's directory and resumed it
@@ -75,11 +77,12 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
                "strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_checkpoint(tmp_path, proc, epochs=1)
-    wait_for_beat(port, rank=1, run_id="stopped", torchrun=True)
-    os.kill(worker_of_rank(proc, 1), signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    _, err = proc.communicate(timeout=120)
+    with reaped(proc):
+        wait_for_checkpoint(tmp_path, proc, epochs=1)
+        wait_for_beat(port, rank=1, run_id="stopped", torchrun=True)
+        os.kill(worker_of_rank(proc, 1), signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - stopped_at
     assert proc.returncode == 1 and seconds < 6 + 14, (proc.returncode, seconds, err[-3000:])
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -115,10 +118,11 @@ def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_
         for rank in (0, 1)
     ]
     said = []
-    for node in nodes:
-        out, err = node.communicate(timeout=300)
-        assert node.returncode == 0, err[-3000:]
-        said.append(out + err)
+    with reaped(*nodes):
+        for node in nodes:
+            out, err = node.communicate(timeout=300)
+            assert node.returncode == 0, err[-3000:]
+            said.append(out + err)
     # each line once, from rank 0: also those said before a rank knows the run's console (torchrun's sizes)
     assert [text.count("torchrun: devices=1 num_nodes=2 (from LOCAL_WORLD_SIZE and WORLD_SIZE)") for text in said] == [
         1,
