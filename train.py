@@ -28,4 +28,4 @@ if __name__ == "__main__":
         raise SystemExit(print(usage(Path(__file__).parent / "conf")))
     check_choices(Path(__file__).parent / "conf", "train", sys.argv[1:])
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
-    end_without_teardown(main, interrupted="; to continue from the newest checkpoint saved: ckpt_path=last")
+    end_without_teardown(main, interrupted_hint="; to continue from the newest checkpoint saved: ckpt_path=last")

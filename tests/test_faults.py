@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from subprocess import PIPE
+from subprocess import PIPE, Popen
 
 import pytest
 import torch
@@ -149,26 +149,33 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
 
 
-@pytest.mark.parametrize("layout", ["1 process", "2 processes", "two nodes"])
+@pytest.mark.parametrize("layout", ["1 process", "1 process, in a save", "2 processes, rank 0 in a save", "two nodes"])
 def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
     # The terminal sends SIGINT to its whole foreground group: train.py, torch's agent in it, the fork server and the
-    # workers. Lightning catches it in fit and exits 1, torch's agent lets it through its loop (a traceback); on two
-    # nodes (Ctrl-C in node 1's terminal) node 0's rank would blame its broken collective, or wait for rank 1's beat.
+    # workers. Lightning catches it in fit and exits 1, torch's agent lets it through its loop (a traceback), a save
+    # it cuts short raises an error of its own; on two nodes (Ctrl-C in node 1's terminal) node 0's rank would blame
+    # its broken collective, or wait for rank 1's beat.
     said = "error: interrupted (Ctrl-C); to continue from the newest checkpoint saved: ckpt_path=last"
+    marker, long = tmp_path / "in a save", ["trainer.max_epochs=1000"]
+    if "in a save" in layout:  # the interrupt arrives there
+        long += ["+callbacks.cut._target_=probes.CutShortByCtrlC", f"+callbacks.cut.marker={marker}"]
     if layout == "two nodes":
         port = free_port()
-        procs = [start_node(tmp_path, node, port, "trainer.max_epochs=1000", start_new_session=True) for node in (0, 1)]
+        procs = [start_node(tmp_path, node, port, *long, start_new_session=True) for node in (0, 1)]
         expected = ["error: node 1 was interrupted (Ctrl-C)", said]  # node 0's, then node 1's
     else:
-        run = LONG_DDP if layout == "2 processes" else ["trainer.max_epochs=1000"]
+        run = [*long, "strategy=ddp", "devices=2"] if layout.startswith("2 processes") else long
         command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(run)]
-        procs = [subprocess.Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)]
+        session = dict(cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(PROBES), start_new_session=True)
+        procs = [Popen(command, **session)]
         expected = [said]
     last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+    while "in a save" in layout and not marker.exists():
+        time.sleep(0.05)
     workers = [pid for proc in procs for pid in descendants(proc.pid)]
     os.killpg(procs[-1].pid, signal.SIGINT)
     interrupted_at = time.monotonic()
-    codes, ended, lines = exits(procs, timeout=60)
+    codes, ended, lines = exits(procs, timeout=60, said=("error:", "Traceback"))
     assert codes == [130] * len(procs) and lines == expected, (codes, lines)
     assert max(ended) - interrupted_at < 10 and all(gone(pid) for pid in workers)
     assert torch.load(last, weights_only=True)["global_step"] > 0  # what was saved before is whole
@@ -384,8 +391,8 @@ def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path 
     return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True, **popen)
 
 
-def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int], list[float], list[str]]:
-    """Each process's exit code, when it exited (monotonic), and the `error:` lines of all of them."""
+def exits(procs: list[Popen], timeout: float = 120, said=("error:",)) -> tuple[list[int], list[float], list[str]]:
+    """Each process's exit code, when it exited (monotonic), and the lines of all of them that start as `said`."""
     deadline, ended = time.monotonic() + timeout, {}
     while len(ended) < len(procs) and time.monotonic() < deadline:
         ended |= {i: time.monotonic() for i, p in enumerate(procs) if i not in ended and p.poll() is not None}
@@ -394,7 +401,7 @@ def exits(procs: list[subprocess.Popen], timeout: float = 120) -> tuple[list[int
         for proc in procs:
             kill_with_descendants(proc)
         raise AssertionError(f"still running after {timeout} s: {[p.args[-1] for p in procs]}")
-    lines = [line for p in procs for line in p.stderr.read().splitlines() if line.startswith("error:")]
+    lines = [line for p in procs for line in p.stderr.read().splitlines() if line.startswith(said)]
     return [p.returncode for p in procs], [ended[i] for i in range(len(procs))], lines
 
 

@@ -26,25 +26,39 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-def end_without_teardown(main: Callable[[], object], interrupted: str = "") -> None:
-    """Runs `main`; the process then ends as usual (threads joined, exit hooks run) but without freeing every module:
-    1.5-2.5 s of native destructors where Lightning is imported. Registered before the run's own exit hooks, so it
-    runs after them (last registered, first run). Ctrl-C ends it with one line (`interrupted` added to it), exit
-    130: also where Lightning caught the KeyboardInterrupt and exited 1, or torch's agent let it through its loop."""
-    code, ctrl_c = [0], []
+def catch_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: what it breaks on its way out
+    (torch.save cut short mid-write raises a RuntimeError; Lightning catches the interrupt and exits 1) is its
+    consequence, not a failure to report."""
 
     def on_ctrl_c(signum, frame):
-        ctrl_c.append(signum)
+        _ctrl_c.append(signum)
         raise KeyboardInterrupt
 
-    atexit.register(lambda: _end(code[0]))
     signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+def interrupted() -> bool:
+    """Whether this process got Ctrl-C (with catch_ctrl_c)."""
+    return bool(_ctrl_c)
+
+
+_ctrl_c: list[int] = []
+
+
+def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "") -> None:
+    """Runs `main`; the process then ends as usual (threads joined, exit hooks run) but without freeing every module:
+    1.5-2.5 s of native destructors where Lightning is imported. Registered before the run's own exit hooks, so it
+    runs after them (last registered, first run). Ctrl-C ends it with one line (and `interrupted_hint`), exit 130."""
+    code = [0]
+    atexit.register(lambda: _end(code[0]))
+    catch_ctrl_c()
     try:
         main()
         return
     except SystemExit as stop:
         code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-        if not (ctrl_c and code[0]):
+        if not (interrupted() and code[0]):
             raise
     except KeyboardInterrupt:
         pass
@@ -53,7 +67,7 @@ def end_without_teardown(main: Callable[[], object], interrupted: str = "") -> N
         raise
     code[0] = INTERRUPTED_EXIT_CODE
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # torchrun's, srun's: said once
-        print(f"error: interrupted (Ctrl-C){interrupted}", file=sys.stderr, flush=True)
+        print(f"error: interrupted (Ctrl-C){interrupted_hint}", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED_EXIT_CODE)
 
 

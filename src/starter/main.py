@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
+from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, interrupted, one_line
 from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
@@ -52,10 +52,8 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
                 metrics = job_function(job)(OmegaConf.load(config_path))
         else:
             metrics = job_function(job)(OmegaConf.load(config_path))
-    except KeyboardInterrupt:  # Ctrl-C in this node's terminal: errors.end_without_teardown says it here
-        if int(cfg.num_nodes) > 1:
-            _tell_the_other_nodes(cfg, INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)")
-        raise
+    except KeyboardInterrupt:  # Ctrl-C in this node's terminal: errors.end_without_teardown says it
+        _interrupted(cfg)
     except UserError as err:
         if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
             _tell_the_other_nodes(cfg, USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", say=True)
@@ -64,7 +62,17 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
             if layout is None and process_rank() == 0:
                 _remove_unstarted_run_dir()
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
+    except Exception:
+        if not interrupted():
+            raise
+        _interrupted(cfg)  # what Ctrl-C broke on its way out (errors.catch_ctrl_c)
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def _interrupted(cfg: DictConfig) -> None:
+    if int(cfg.num_nodes) > 1:
+        _tell_the_other_nodes(cfg, INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)")
+    raise KeyboardInterrupt from None
 
 
 def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:

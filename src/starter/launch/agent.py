@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, catch_ctrl_c
 from starter.launch.fork_server import SERVER_IGNORES, fork_server
 from starter.launch.watchdog import failure, key_prefix, process_state, report, where
 from starter.topology import Layout
@@ -214,6 +214,7 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
 
     for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
         signal.signal(signum, signal.SIG_DFL)
+    catch_ctrl_c()
     multiprocessing.set_start_method(None, force=True)  # what else it starts: the platform's way, not the server's
     agents = {
         k: v

@@ -21,7 +21,7 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-from starter.errors import LOST_EXIT_CODE, UserError, one_line
+from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line
 from starter.launch.environment import torchrun_id
 from starter.launch.stall import Stall, main_thread_at, read_progress
 
@@ -141,6 +141,8 @@ class Watchdog:
             self.report(2, one_line(err))
             raise SystemExit(2) from None
         except Exception as err:
+            if interrupted():  # Ctrl-C broke it on its way out (errors.catch_ctrl_c); said by train.py
+                raise SystemExit(INTERRUPTED_EXIT_CODE) from None
             # A broken collective is seldom the cause: a peer's failure is, reported by the peer or, for a peer a
             # signal ended, by its launcher; a store gone with its holder (rank 0 killed) is said by the launcher.
             if found := self.failure(wait_s=5) or self._peer_lost():
