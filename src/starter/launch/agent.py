@@ -82,8 +82,10 @@ def start_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # our lines say what failed
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    elastic = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*elastic, *logging.Logger.manager.loggerDict]:  # our lines say what failed; each of torch's elastic
+        if name.startswith(elastic):  # modules sets a level of its own ("Received 15 death signal...": a warning)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or 0)
     store = (layout.nodes > 1 and node_store()) or join_nodes(address, port, serve=node == 0)
