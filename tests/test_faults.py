@@ -171,6 +171,7 @@ def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
         expected = [said]
     last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
     while "in a save" in layout and not marker.exists():
+        assert procs[0].poll() is None, procs[0].stderr.read()[-3000:]
         time.sleep(0.05)
     workers = [pid for proc in procs for pid in descendants(proc.pid)]
     os.killpg(procs[-1].pid, signal.SIGINT)
