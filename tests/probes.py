@@ -299,14 +299,3 @@ class RecordSamples(L.Callback):
         line = {"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": sample_ids(batch)}
         with (self.output / f"rank{trainer.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-class KillAtStep(L.Callback):
-    """Kills process `pid` (a test's local object store, say) after training step `step` of rank 0."""
-
-    def __init__(self, pid: int, step: int):
-        self.pid, self.step = pid, step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == 0:
-            os.kill(self.pid, signal.SIGKILL)
