@@ -75,10 +75,9 @@ def test_sigkill_during_saving_leaves_a_whole_checkpoint(delay, tmp_path):
     assert torch.equal(checkpoint["w"], torch.full((4_000_000,), float(checkpoint["version"])))
 
 
-def start(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+def start(tmp_path: Path, *overrides: str, env: dict | None = None, **popen) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(overrides)]
-    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=with_env(env))  # fmt: skip
+    return Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(env), **popen)
 
 
 LONG_DDP = ["strategy=ddp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000"]
@@ -165,9 +164,7 @@ def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
         expected = ["error: node 1 was interrupted (Ctrl-C)", said]  # node 0's, then node 1's
     else:
         run = [*long, "strategy=ddp", "devices=2"] if layout.startswith("2 processes") else long
-        command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(run)]
-        session = dict(cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(PROBES), start_new_session=True)
-        procs = [Popen(command, **session)]
+        procs = [start(tmp_path, *run, env=PROBES, start_new_session=True)]
         expected = [said]
     last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
     while "in a save" in layout and not marker.exists():
@@ -184,9 +181,7 @@ def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
 
 def test_ctrl_c_named_in_stop_signals_saves_last_checkpoint_first(tmp_path):
     # stop_signals=[..., SIGINT]: Ctrl-C is a stop signal like the others, every rank saves at one step, exit 143
-    run = [*LONG_DDP, "stop_signals=[SIGTERM,SIGINT]"]
-    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(run)]
-    proc = Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)
+    proc = start(tmp_path, *LONG_DDP, "stop_signals=[SIGTERM,SIGINT]", start_new_session=True)
     last = wait_for_checkpoint(tmp_path, proc, epochs=1)
     os.killpg(proc.pid, signal.SIGINT)
     codes, _, lines = exits([proc], timeout=60, said=("error:", "Traceback"))

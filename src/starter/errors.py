@@ -26,6 +26,9 @@ def one_line(err: BaseException) -> str:
     return text
 
 
+_ctrl_c: list[int] = []  # the SIGINTs this process got
+
+
 def catch_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: what it breaks on its way out
     (torch.save cut short mid-write raises a RuntimeError; Lightning catches the interrupt and exits 1) is its
@@ -41,9 +44,6 @@ def catch_ctrl_c() -> None:
 def interrupted() -> bool:
     """Whether this process got Ctrl-C (with catch_ctrl_c)."""
     return bool(_ctrl_c)
-
-
-_ctrl_c: list[int] = []
 
 
 def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "") -> None:
@@ -66,7 +66,8 @@ def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "")
         code[0] = 1
         raise
     code[0] = INTERRUPTED_EXIT_CODE
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # torchrun's, srun's: said once
+    # said once where torchrun or srun started the ranks (topology.process_rank's rule; this layer is below it)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"error: interrupted (Ctrl-C){interrupted_hint}", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED_EXIT_CODE)
 
