@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -282,47 +282,30 @@ def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", t
 
 
 class ProcessOutput:
-    """stdout and stderr of the runs made in this process, of their workers too: two pipes that threads here read.
+    """stdout and stderr of the runs made in this process, of their workers too: two files that only grow.
 
     A run of several processes here has torch's agent fork its workers from a fork server that this process starts
     once and that outlives the run (as in a sweep), so the workers write where the server's stdout and stderr lead:
-    fd 1 and 2 of this process at the time, these pipes, kept for the session. After a run (its workers have ended) a
-    marker written into each pipe tells its reader where the run's output ends; what comes between runs is dropped."""
-
-    END = b"\0end of run\0"
+    fd 1 and 2 of this process at the time, these files, kept for the session. A run's output is what they gained
+    while it ran (its workers have ended when it returns)."""
 
     def __init__(self):
-        self.pipes, self.received, self.ended = [], ([], []), (threading.Event(), threading.Event())
-        for stream in (0, 1):
-            read, write = os.pipe()
-            self.pipes.append(write)
-            threading.Thread(target=self._read, args=(read, stream), daemon=True, name=f"run output {stream}").start()
-
-    def _read(self, fd: int, stream: int) -> None:
-        pending = b""
-        with open(fd, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(1 << 16):
-                pending += chunk
-                while self.END in pending:
-                    mine, pending = pending.split(self.END, 1)
-                    self.received[stream].append(mine)
-                    self.ended[stream].set()
-                keep = len(self.END) - 1  # a marker may arrive in two reads
-                self.received[stream].append(pending[:-keep])
-                pending = pending[-keep:]
+        self.fds = []
+        for _ in range(2):
+            handle, path = tempfile.mkstemp(prefix="run-output-")
+            self.fds.append(os.open(path, os.O_RDWR | os.O_APPEND))  # every writer at the end, whatever its offset
+            os.close(handle)
+            os.unlink(path)
 
     @contextmanager
     def collected(self):
-        """fd 1 and 2, sys.stdout and sys.stderr lead into the pipes inside the block; yields a dict that has "stdout"
+        """fd 1 and 2, sys.stdout and sys.stderr lead into the files inside the block; yields a dict that has "stdout"
         and "stderr" after it."""
         sys.stdout.flush()
         sys.stderr.flush()
-        saved = [os.dup(1), os.dup(2)]
-        for stream in (0, 1):
-            self.received[stream].clear()
-            self.ended[stream].clear()
-        os.dup2(self.pipes[0], 1)
-        os.dup2(self.pipes[1], 2)
+        saved, starts = [os.dup(1), os.dup(2)], [os.fstat(fd).st_size for fd in self.fds]
+        os.dup2(self.fds[0], 1)
+        os.dup2(self.fds[1], 2)
         result = {}
         out = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
         err = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
@@ -333,13 +316,10 @@ class ProcessOutput:
             out.flush()
             err.flush()
             for fd in (1, 2):
-                os.write(fd, self.END)
                 os.dup2(saved[fd - 1], fd)
                 os.close(saved[fd - 1])
-            for stream in (0, 1):
-                assert self.ended[stream].wait(60), "a run's output never ended"
-            texts = [b"".join(self.received[s]).decode(errors="replace") for s in (0, 1)]
-            result["stdout"], result["stderr"] = texts
+            texts = [os.pread(fd, os.fstat(fd).st_size - start, start) for fd, start in zip(self.fds, starts)]
+            result["stdout"], result["stderr"] = (text.decode(errors="replace") for text in texts)
 
 
 @cache
