@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, compose_config
+from conftest import CONF, ROOT, compose_config, train
 from starter.errors import UserError
 from starter.preflight import PRECISIONS, prepare
 from starter.strategies.build import build_strategy
@@ -162,11 +162,31 @@ def test_help_lists_config_groups():
         (["+trainer.strategy=ddp"], "^trainer.strategy=ddp: set strategy=ddp \\(a config group: conf/strategy/\\)"),
         (["+trainer.precision=bf16-mixed"], "^trainer.precision=bf16-mixed: set precision=bf16-mixed instead"),
         (["data._target_=not_a_package.Data"], "^data._target_=not_a_package.Data: no module not_a_package \\(is"),
+        # what Lightning and numpy take unchecked or fail on mid-run (a traceback, or a run that never steps)
+        (["seed=abc"], "^seed=abc: give a whole number from 0 to 4294967295$"),
+        (["seed=-1"], "^seed=-1: give a whole number from 0"),
+        (["seed=null"], "^seed=null: give a whole number from 0"),
+        (["data.batch_size=0"], "^data.batch_size=0: give a whole number of 1 or more$"),
+        (["trainer.accumulate_grad_batches=-2"], "^trainer.accumulate_grad_batches=-2: give a whole number of 1 or"),
+        (["trainer.check_val_every_n_epoch=0"], "^trainer.check_val_every_n_epoch=0: give a whole number of 1 or"),
     ],
 )
 def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
     with pytest.raises(UserError, match=message):
         prepare(compose_config(overrides, tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "override,said",
+    [
+        ("trainer.max_epochs=-5", "`max_epochs` must be a non-negative integer or -1. You passed in -5."),
+        ("trainer.limit_train_batches=0.001", "You requested to check 0.001 of the `train_dataloader` but"),  # fit
+    ],
+)
+def test_a_setting_lightning_refuses_is_one_line_and_exit_2(override, said, tmp_path):
+    proc = train(tmp_path, "debug=limit", override, expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: Lightning: {said}")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
 def test_fp16_on_cpu_stays_fp16(tmp_path, caplog):

@@ -265,6 +265,8 @@ def test_bad_inputs_are_one_line_or_skipped_and_counted(default_run, digit_files
     for inputs, said in ((tmp_path / "empty", "the folder holds no file"), (f"{mixed}/*.jpg", "the glob matches no")):
         proc = predict(tmp_path / "c", weights, f"inputs={inputs}", expect_ok=False)
         assert proc.returncode == 2 and said in proc.stderr
+    proc = predict(tmp_path / "c", weights, f"inputs={mixed}", "batch_size=0", expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr == "error: batch_size=0: give a whole number of 1 or more\n"
     torch.save({"net.0.weight": torch.zeros(1)}, tmp_path / "foreign.pt")  # weights without their inference record
     proc = predict(tmp_path / "d", f"ckpt_path={tmp_path / 'foreign.pt'}", f"inputs={mixed}", expect_ok=False)
     assert proc.returncode == 2 and "holds no inference record" in proc.stderr

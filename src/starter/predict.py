@@ -14,7 +14,7 @@ from omegaconf import DictConfig, open_dict
 from starter.checkpointing.record import model_builders
 from starter.errors import UserError
 from starter.loggers.report import shown
-from starter.preflight import settle
+from starter.preflight import settle, whole_number
 from starter.topology import Layout, Traits
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,8 @@ SHOWN = 5  # rows printed, and the top classes each row lists
 
 
 def prepare(cfg: DictConfig) -> Layout:
-    layout, traits = settle(cfg, int(cfg.batch_size)), Traits.of(cfg.strategy)
+    whole_number("batch_size", cfg.batch_size, 1)
+    layout, traits = settle(cfg, cfg.batch_size), Traits.of(cfg.strategy)
     if not traits.whole_weights:
         raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
                         " a checkpoint of any strategy loads into either")  # fmt: skip

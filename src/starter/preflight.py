@@ -28,7 +28,14 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 def prepare(cfg: DictConfig) -> Layout:
     """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
     _settle_shards(cfg)  # full examples
-    global_batch = int(cfg.data.batch_size) if data_shards_itself(cfg.data) else None
+    global_batch = None
+    if data_shards_itself(cfg.data):  # a global batch, checked here; another DataModule's batch size is its own
+        whole_number("data.batch_size", cfg.data.batch_size, 1)
+        global_batch = cfg.data.batch_size
+    # Lightning takes these unchecked: 0 divides by zero mid-run, a negative accumulation never steps the optimizer
+    whole_number("trainer.accumulate_grad_batches", cfg.trainer.get("accumulate_grad_batches", 1), 1)
+    if cfg.trainer.get("check_val_every_n_epoch") is not None:
+        whole_number("trainer.check_val_every_n_epoch", cfg.trainer.check_val_every_n_epoch, 1)
     layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)
     settle_num_classes(cfg)
     _check_capabilities(cfg, traits, layout)
@@ -57,6 +64,12 @@ def prepare(cfg: DictConfig) -> Layout:
     return layout
 
 
+def whole_number(key: str, value, least: int, most: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
+        within = f"from {least} to {most}" if most is not None else f"of {least} or more"
+        raise UserError(f"{key}={'null' if value is None else value}: give a whole number {within}")
+
+
 def data_shards_itself(data: DictConfig) -> bool:
     """Whether the DataModule declares that it shards its data itself (`shards_itself = True`, as ShardedDataModule
     does): then `data.batch_size` is the global batch, checked here. Any other is sharded as Lightning shards it (its
@@ -78,6 +91,8 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     for key in ("heartbeat_timeout_s", "stall_timeout_s"):
         if not float(cfg[key]) > 0:
             raise UserError(f"{key}={cfg[key]}: give seconds above 0")
+    if "seed" in cfg:
+        whole_number("seed", cfg.seed, 0, 2**32 - 1)  # numpy's range; Lightning raises outside it, truncates 1.5
     _settle_accelerator_and_devices(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")

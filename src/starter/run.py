@@ -8,7 +8,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from starter.callbacks.mid_epoch_resume import MidEpochResume
@@ -16,7 +16,7 @@ from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
-from starter.errors import PREEMPTED_EXIT_CODE, UserError
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, one_line
 from starter.launch.environment import external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Returns the final metrics: what the model and the callbacks logged last (`test/*`: the tested checkpoint's)."""
+    try:
+        return train_and_test(cfg)
+    except MisconfigurationException as err:  # Lightning refusing a setting (max_epochs=-5): the user's to fix
+        raise UserError(f"Lightning: {' '.join(one_line(err).split())}") from None
+
+
+def train_and_test(cfg: DictConfig) -> dict[str, float]:
     start_process(cfg)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
     datamodule = build(cfg.data)
@@ -131,11 +138,11 @@ def _log_through_root() -> None:
 
 
 def build(node, **kwargs):
-    """hydra.utils.instantiate, letting a UserError raised by a constructor through as itself."""
+    """hydra.utils.instantiate, letting a UserError or Lightning's refusal raised by a constructor through as itself."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, UserError):
+        if isinstance(err.__cause__, (UserError, MisconfigurationException)):
             raise err.__cause__ from None
         raise
 
