@@ -327,6 +327,13 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(default_run,
     proc = train(tmp_path, "model=cnn", f"ckpt_path={best}", expect_ok=False)
     assert proc.returncode == 2 and "holds weights of a different model" in proc.stderr
     assert not list(tmp_path.glob("logs/**/metrics.csv"))
+    # another size: the line names the settings of the run that saved it, and with them the checkpoint loads
+    narrow = ["model.net.width=32", f"ckpt_path={best}", "train=false"]
+    proc = train(tmp_path / "narrow", *narrow, expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.endswith(
+        "use the model config of the run that saved it: model.net.width=256\n"
+    )
+    train(tmp_path / "as_saved", *narrow, "model.net.width=256")
 
 
 def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line(default_run, tmp_path):

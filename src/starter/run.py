@@ -67,7 +67,7 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
 
 def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict) -> dict[str, float]:
     if cfg.ckpt_path:
-        check_checkpoint_fits(model, Path(cfg.ckpt_path))
+        check_checkpoint_fits(model, Path(cfg.ckpt_path), cfg.model)
     metrics: dict[str, float] = {}
     if cfg.train:
         try:

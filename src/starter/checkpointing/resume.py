@@ -54,8 +54,9 @@ def check_sharded_writer(path: Path, strategy: str) -> None:
                         f" strategy={writer}")  # fmt: skip
 
 
-def check_checkpoint_fits(model, path: Path) -> None:
-    """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size)."""
+def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
+    """Refuse, before training, a checkpoint whose weights do not fit this model (another net or size), naming the
+    settings of the model config it was saved with that this run's (`model_cfg`) differs in, where its run says."""
     import torch
 
     if path.is_dir():
@@ -68,8 +69,20 @@ def check_checkpoint_fits(model, path: Path) -> None:
     except Exception as err:
         raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {str(err).splitlines()[0]}") from err
     if mismatch := weights_mismatch(model.state_dict(), saved):
+        run = saved_config(path)
+        theirs = _leaves(OmegaConf.to_container(run.model, resolve=True)) if run and "model" in run else {}
+        mine = _leaves(OmegaConf.to_container(model_cfg, resolve=True))
+        differ = [f"model.{key}={value}" for key, value in theirs.items() if mine.get(key) != value]
+        differ = " ".join(differ[:5] + (["..."] if len(differ) > 5 else []))
         raise UserError(f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
-                        " the run that saved it")  # fmt: skip
+                        f" the run that saved it{': ' + differ if differ else ''}")  # fmt: skip
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    """{"net.width": 64, ...}: the values of a nested config by their dotted keys."""
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    return {key: value for name, child in node.items() for key, value in _leaves(child, f"{prefix}{name}.").items()}
 
 
 def weights_mismatch(expected: dict, found: dict) -> str | None:
@@ -79,7 +92,8 @@ def weights_mismatch(expected: dict, found: dict) -> str | None:
         return None
     missing, unexpected = sorted(shapes[0].keys() - shapes[1].keys()), sorted(shapes[1].keys() - shapes[0].keys())
     resized = sorted(k for k in shapes[0].keys() & shapes[1].keys() if shapes[0][k] != shapes[1][k])
-    return f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {resized[:3]}"
+    found = (("missing", missing), ("unexpected", unexpected), ("other shapes", resized))
+    return ", ".join(f"{what} {names[:3]}" for what, names in found if names)
 
 
 @contextmanager
