@@ -1,6 +1,7 @@
 """Every option of every config group composes, resolves and builds; the contract's keys exist."""
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -186,6 +187,27 @@ def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
 def test_a_setting_lightning_refuses_is_one_line_and_exit_2(override, said, tmp_path):
     proc = train(tmp_path, "debug=limit", override, expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: Lightning: {said}")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides,said",
+    [
+        (
+            ["+callbacks.x._target_=nonexistent.Cls"],
+            "callbacks.x._target_=nonexistent.Cls: cannot import it: "
+            "ModuleNotFoundError\\(\"No module named 'nonexistent'\"\\)",
+        ),
+        # each rank meets it (Hydra's own: a traceback from each), the first to report says it
+        (
+            ["strategy=ddp", "devices=2", "model.optimizer._target_=torch.optim.Nope"],
+            "rank [01] \\(node 0\\): model.optimizer._target_=torch.optim.Nope: cannot import it: ",
+        ),
+    ],
+)
+def test_a_target_that_does_not_import_is_one_line_and_exit_2(overrides, said, tmp_path):
+    proc = train(tmp_path, "debug=limit", *overrides, expect_ok=False)
+    assert proc.returncode == 2 and re.match(f"error: {said}", proc.stderr)
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 

@@ -138,13 +138,24 @@ def _log_through_root() -> None:
 
 
 def build(node, **kwargs):
-    """hydra.utils.instantiate, letting a UserError or Lightning's refusal raised by a constructor through as itself."""
+    """hydra.utils.instantiate, letting a UserError or Lightning's refusal raised by a constructor through as itself;
+    a `_target_` that does not import is a user error (Hydra's: a traceback in every process)."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
         if isinstance(err.__cause__, (UserError, MisconfigurationException)):
             raise err.__cause__ from None
+        if isinstance(err.__cause__, ImportError) and str(err).startswith("Error locating target"):
+            raise UserError(_unimportable(err)) from None
         raise
+
+
+def _unimportable(err: InstantiationException) -> str:
+    """One line of Hydra's words: "Error loading '<target>':\n<why>\n<hint>" (the cause), "...\nfull_key: <key>"."""
+    loading, *why = str(err.__cause__).splitlines()
+    target = loading.removeprefix("Error loading '").removesuffix("':")
+    _, found, key = str(err).rpartition("\nfull_key: ")
+    return f"{key + '.' if found else ''}_target_={target}: cannot import it: {' '.join(why)}"
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
