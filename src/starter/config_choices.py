@@ -1,6 +1,7 @@
 """A config-group option that does not exist (`strategy=dpp`) is one line and exit 2 before Hydra composes anything, so
 no run directory is made: the options are read off the config folders (conf/, `--config-dir`, and each
-`hydra.searchpath` the command line or the primary config names). Groups none of them holds are left to Hydra."""
+`hydra.searchpath` the command line or the primary config names). Groups none of them holds are left to Hydra. A value
+the composed config leaves to the user (`???`) and the user did not give is one line too."""
 
 import importlib.resources
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.errors import USER_ERROR_EXIT_CODE
+from starter.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
@@ -57,3 +58,10 @@ def _flag_value(argv: list[str], arg: str) -> bool:
     """Whether `arg` is the value of a flag (`--config-name NAME`, `-cd DIR`), not an override."""
     index = argv.index(arg)
     return index > 0 and argv[index - 1].startswith("-") and argv[index - 1] not in ("-m", "--multirun")
+
+
+def check_given(cfg) -> None:
+    """Every `???` of the composed config has a value (predict.py's `inputs`, data=shards' `data.source`); OmegaConf
+    would raise where one is first read, with a traceback."""
+    if missing := sorted(OmegaConf.missing_keys(cfg)):
+        raise UserError(f"{', '.join(missing)}: no value given; set {missing[0]}=... on the command line")

@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from starter.config_choices import check_given
 from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, interrupted, one_line
 from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
 from starter.loggers.report import shown
@@ -32,6 +33,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
         _quiet()  # ranks torchrun or srun started say their lines once, from rank 0, from the first line on
     layout = None
     try:
+        check_given(cfg)
         layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from starter.config_choices import check_given
 from starter.data.shard_set import DESCRIPTION, FORMAT, SPLITS, bucket_and_key, is_remote, join, read_text, s3_client
 from starter.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -198,6 +199,7 @@ def _write_last(staging: str, out: str, description: str) -> None:
 
 def run(cfg: DictConfig) -> None:
     try:
+        check_given(cfg)
         print(make_shards(cfg), flush=True)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
