@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, compose_config, train
+from conftest import CONF, ROOT, compose_config, run_dirs, train
 from starter.errors import UserError
 from starter.preflight import PRECISIONS, prepare
 from starter.strategies.build import build_strategy
@@ -188,6 +188,8 @@ def test_a_setting_lightning_refuses_is_one_line_and_exit_2(override, said, tmp_
     proc = train(tmp_path, "debug=limit", override, expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: Lightning: {said}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    (run_dir,) = run_dirs(tmp_path)  # its traceback, for whoever debugs it, is in the log file
+    assert "lightning.fabric.utilities.exceptions.MisconfigurationException" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.parametrize(

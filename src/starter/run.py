@@ -32,6 +32,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     try:
         return train_and_test(cfg)
     except MisconfigurationException as err:  # Lightning refusing a setting (max_epochs=-5): the user's to fix
+        log.info("Lightning refused the run:", exc_info=True, extra={"file_only": True})  # its traceback: train.log
         raise UserError(f"Lightning: {' '.join(one_line(err).split())}") from None
 
 
