@@ -156,6 +156,7 @@ def test_help_lists_config_groups():
         (["stop_signals=[SIGTERM,SIGSTOPP]"], "stop_signals: SIGSTOPP is no signal here; use names such as SIGTERM"),
         (["ckpt_path=/nonexistent/x.ckpt"], "no such file"),
         (["ckpt_path=last"], "no checkpoints/last.ckpt"),
+        (["ckpt_path=/"], "^ckpt_path=/ is a directory but no checkpoint; give a .ckpt file, a sharded checkpoint or"),
         # one copy of each device key: Lightning's own (trainer.devices=2) would start its launcher behind ours
         (["trainer.devices=2"], "^trainer.devices=2: set devices=2 instead; the top-level key is the one"),
         (["trainer.num_nodes=2"], "^trainer.num_nodes=2: set num_nodes=2 instead"),

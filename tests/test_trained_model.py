@@ -262,9 +262,15 @@ def test_bad_inputs_are_one_line_or_skipped_and_counted(default_run, digit_files
     skipped = predict(tmp_path / "b", weights, f"inputs={mixed}", "skip_unreadable=true")
     assert len(predictions(skipped)) == 3 and "2 of 5 inputs unreadable and skipped" in skipped.stderr + skipped.stdout
     (tmp_path / "empty").mkdir()
-    for inputs, said in ((tmp_path / "empty", "the folder holds no file"), (f"{mixed}/*.jpg", "the glob matches no")):
+    for inputs, said in (
+        (tmp_path / "empty", "the folder holds no file"),
+        (f"{mixed}/*.jpg", "the glob matches no file"),
+        (tmp_path / "nowhere", "no such file or folder"),
+    ):
         proc = predict(tmp_path / "c", weights, f"inputs={inputs}", expect_ok=False)
         assert proc.returncode == 2 and said in proc.stderr
+    proc = predict(tmp_path / "c", f"ckpt_path={tmp_path / 'empty'}", f"inputs={mixed}", expect_ok=False)
+    assert proc.returncode == 2 and "no checkpoint there; give a .ckpt, a model.pt or a run directory" in proc.stderr
     proc = predict(tmp_path / "c", weights, f"inputs={mixed}", "batch_size=0", expect_ok=False)
     assert proc.returncode == 2 and proc.stderr == "error: batch_size=0: give a whole number of 1 or more\n"
     torch.save({"net.0.weight": torch.zeros(1)}, tmp_path / "foreign.pt")  # weights without their inference record

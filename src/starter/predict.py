@@ -47,7 +47,7 @@ def weights_path(spec: str, log_dir: Path) -> Path:
     for candidate in (path / "checkpoints" / "best.ckpt", path / "checkpoints" / "model.pt"):
         if (path / "checkpoints").is_dir() and candidate.exists():
             return candidate
-    if not path.exists() or (path / "checkpoints").is_dir():
+    if not path.exists() or path.is_dir() and not (path / "meta.pt").is_file():  # a sharded checkpoint has its meta.pt
         raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
     return path
 
@@ -76,10 +76,13 @@ def input_files(spec: str) -> list[str]:
     else:
         files = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
     if not files:
-        what = (
-            "folder holds no file" if path.is_dir() else "glob matches no file" if glob.has_magic(spec) else "no file"
-        )
-        raise UserError(f"inputs={spec}: the {what}; give an image, a folder of images or a glob such as 'dir/*.jpg'")
+        if path.is_dir():
+            what = "the folder holds no file"
+        elif glob.has_magic(spec):
+            what = "the glob matches no file"
+        else:
+            what = "no such file or folder"
+        raise UserError(f"inputs={spec}: {what}; give an image, a folder of images or a glob such as 'dir/*.jpg'")
     return sorted(str(p) for p in files)
 
 
