@@ -50,3 +50,20 @@ def test_worker_error_stops_all_workers_with_one_message(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rank 0 (node 0): MNIST not found in {tmp_path / 'none'}")
+
+
+def test_a_port_an_ended_store_of_this_process_held_serves_the_next_jobs_store(monkeypatch):
+    """A sweep's jobs run in one process, and the OS hands out again a port that an earlier job's store held (after 63
+    stores here): the agent's rendezvous, which finds the job's store by its port in torch's cache, finds it there."""
+    from torch.distributed import TCPStore
+
+    from starter.launch import agent
+
+    port = agent.free_port("127.0.0.1")
+    ended = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    del ended  # an earlier job's: gone, its entry left in torch's cache
+    monkeypatch.setattr(agent, "free_port", lambda address: port)  # the OS picks that port again
+    store = agent.join_nodes("127.0.0.1", 0, serve=True)
+    rendezvous = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)  # as torch's
+    rendezvous.set("written by the rendezvous", "")
+    assert store.check(["written by the rendezvous"])

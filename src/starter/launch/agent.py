@@ -5,9 +5,9 @@ fsdp, tp, pp).
 Lightning's own launcher re-runs `sys.argv` in every child, which under Hydra re-composes the config, makes a second
 run directory and re-launches a sweep: here the Hydra job only launches, and every worker runs its resolved config.
 The agent's rendezvous is torchrun's static one (this node's rank: NODE_RANK, as `torchrun --node-rank`) at a store
-that node 0's job serves: on one node on a port the OS picks, held, so runs started at once cannot race for one; on
-several at MASTER_PORT, the store that named the run (run_name.py). Workers fork from a fork server that imported
-torch and Lightning once (ddp_spawn's are spawned). Inside each, our watchdog (watchdog.py) ends the run when a rank
+that node 0's job serves: on one node on a free port (one another process takes first: the next); on several at
+MASTER_PORT, the store that named the run (run_name.py). Workers fork from a fork server that imported torch and
+Lightning once (ddp_spawn's are spawned). Inside each, our watchdog (watchdog.py) ends the run when a rank
 fails, stops answering or stalls; here, a worker a signal killed is named, another node's failure ends this node's
 workers, and a stopped worker is killed rather than waited for. Details: docs/modes.md, "How ddp is launched".
 """
@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,15 +44,28 @@ class WorkerFailed(Exception):
 
 
 def join_nodes(address: str, port: int, serve: bool):
-    """The store at address:port (0: one the OS picks) that the agent's rendezvous, the workers and the nodes' jobs
-    share; node 0's job serves it. `multi_tenant`: the agent's rendezvous in this process serves through it."""
+    """The store at address:port (0: a free port) that the agent's rendezvous, the workers and the nodes' jobs share;
+    node 0's job serves it. `multi_tenant`: the agent's rendezvous in this process serves through it, found by its
+    port in torch's cache of servers. Never port 0: that cache keeps the entry of an ended store (an earlier job of a
+    sweep) on a port the OS hands out again, and the rendezvous would then bind the port a second time (EADDRINUSE;
+    after 63 stores in one process here)."""
     global _node_store
-    from torch.distributed import TCPStore
+    from torch.distributed import DistNetworkError, TCPStore
 
-    _node_store = TCPStore(
-        address, port, is_master=serve, wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=300)
-    )
-    return _node_store
+    options = {"is_master": serve, "wait_for_workers": False, "multi_tenant": True, "timeout": timedelta(seconds=300)}
+    for attempt in range(5):
+        try:
+            _node_store = TCPStore(address, port or free_port(address), **options)
+            return _node_store
+        except DistNetworkError:
+            if port or attempt == 4:
+                raise  # else another process took the free port first: another
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
 
 
 def node_store():
