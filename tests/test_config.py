@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, compose_config, run_dirs, train
+from conftest import CONF, ROOT, compose_config, predict, run_dirs, train
 from starter.errors import UserError
 from starter.preflight import PRECISIONS, prepare
 from starter.strategies.build import build_strategy
@@ -214,20 +214,26 @@ def test_a_target_that_does_not_import_is_one_line_and_exit_2(overrides, said, t
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
-@pytest.mark.parametrize(
-    "script,overrides,key",
-    [("train.py", ["data=shards"], "data.source"), ("predict.py", [], "inputs"), ("make_shards.py", [], "out")],
-)
-def test_a_value_the_config_leaves_to_the_user_is_asked_for_in_one_line(script, overrides, key, tmp_path):
-    if script == "make_shards.py":  # no accelerator key, which train() adds
-        command = [sys.executable, str(ROOT / script), f"paths.log_dir={tmp_path}"]
-        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    else:
-        proc = train(tmp_path, *overrides, script=script, expect_ok=False)
-        assert not list(tmp_path.glob("logs/*/runs/*"))  # refused before the run started
-    assert proc.returncode == 2 and proc.stderr == f"error: {key}: no value given; set {key}=... on the command line\n"
+def asked(key: str) -> str:
+    return f"error: {key}: no value given; set {key}=... on the command line\n"
 
 
+def test_a_value_the_config_leaves_to_the_user_is_asked_for_in_one_line(tmp_path):
+    proc = predict(tmp_path, expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr == asked("inputs")
+    assert not list(tmp_path.glob("logs/*/runs/*"))  # refused before the run started
+
+
+# full examples: begin
+def test_shards_ask_for_their_source_and_their_destination_in_one_line(tmp_path):
+    proc = train(tmp_path, "data=shards", expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr == asked("data.source")
+    command = [sys.executable, str(ROOT / "make_shards.py"), f"paths.log_dir={tmp_path}"]  # train() adds accelerator=
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == asked("out")
+
+
+# full examples: end
 def test_fp16_on_cpu_stays_fp16(tmp_path, caplog):
     cfg = compose_config(["precision=16-mixed", "accelerator=cpu"], tmp_path)
     prepare(cfg)

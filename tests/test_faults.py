@@ -348,8 +348,9 @@ def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line(default_run, t
 
 
 def test_sharded_checkpoint_under_another_strategy_is_refused_before_training(tmp_path):
-    sharded = tmp_path / "last.ckpt"  # what strategy=fsdp writes: a directory (here, a symlink to one)
+    sharded = tmp_path / "last.ckpt"  # what strategy=fsdp writes: a directory with its meta.pt (a symlink to one)
     (tmp_path / "last.ckpt.1").mkdir()
+    (tmp_path / "last.ckpt.1" / "meta.pt").write_bytes(b"")
     sharded.symlink_to("last.ckpt.1")
     proc = train(tmp_path, f"ckpt_path={sharded}", expect_ok=False)
     assert proc.returncode == 2

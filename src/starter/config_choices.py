@@ -61,7 +61,18 @@ def _flag_value(argv: list[str], arg: str) -> bool:
 
 
 def check_given(cfg) -> None:
-    """Every `???` of the composed config has a value (predict.py's `inputs`, data=shards' `data.source`); OmegaConf
-    would raise where one is first read, with a traceback."""
-    if missing := sorted(OmegaConf.missing_keys(cfg)):
+    """Every `???` of the composed config has a value (predict.py's `inputs`); OmegaConf would raise where one is first
+    read, with a traceback."""
+    if missing := unset(cfg):
         raise UserError(f"{', '.join(missing)}: no value given; set {missing[0]}=... on the command line")
+
+
+def unset(node, prefix: str = "") -> list[str]:
+    """The keys whose value is `???`, no interpolation resolved (one may name a key the run settles later)."""
+    found = []
+    for key in node.keys() if OmegaConf.is_dict(node) else range(len(node)):
+        if OmegaConf.is_missing(node, key):
+            found.append(f"{prefix}{key}")
+        elif not OmegaConf.is_interpolation(node, key) and OmegaConf.is_config(child := node[key]):
+            found += unset(child, f"{prefix}{key}.")
+    return found
