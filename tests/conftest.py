@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from starter.launch.agent import free_port  # noqa: F401 (the tests' too)
 from starter.launch.run_name import run_name
 
 if not OmegaConf.has_resolver("run_name"):
@@ -57,12 +57,6 @@ def host_syncs(overrides: list[str], tmp_path: Path) -> dict[str, dict]:
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(output.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_env(tasks: int, rank: int = 0, **more) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from starter.checkpointing.record import model_builders
+from starter.checkpointing.resume import is_sharded
 from starter.errors import UserError
 from starter.loggers.report import shown
 from starter.preflight import settle, whole_number
@@ -47,7 +48,7 @@ def weights_path(spec: str, log_dir: Path) -> Path:
     for candidate in (path / "checkpoints" / "best.ckpt", path / "checkpoints" / "model.pt"):
         if (path / "checkpoints").is_dir() and candidate.exists():
             return candidate
-    if not path.exists() or path.is_dir() and not (path / "meta.pt").is_file():  # a sharded checkpoint has its meta.pt
+    if not path.exists() or path.is_dir() and not is_sharded(path):
         raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
     return path
 

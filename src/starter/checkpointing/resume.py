@@ -35,11 +35,16 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     path = Path(cfg.ckpt_path)
     if not path.exists():  # a file, or a directory for sharded checkpoints
         raise UserError(f"ckpt_path={cfg.ckpt_path}: no such file")
-    if path.is_dir() and not (path / "meta.pt").is_file():  # a sharded checkpoint: a directory with its meta.pt
+    if path.is_dir() and not is_sharded(path):
         last = path / "checkpoints" / "last.ckpt"  # a run directory's
         instead = f"ckpt_path={last}" if last.is_file() else "a .ckpt file, a sharded checkpoint or ckpt_path=last"
         raise UserError(f"ckpt_path={cfg.ckpt_path} is a directory but no checkpoint; give {instead}")
     return path
+
+
+def is_sharded(path: Path) -> bool:
+    """A sharded checkpoint (fsdp, tp, pp): a directory holding Lightning's meta.pt beside the shards."""
+    return path.is_dir() and (path / "meta.pt").is_file()
 
 
 def saved_config(checkpoint: Path) -> DictConfig | None:

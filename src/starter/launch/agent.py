@@ -62,7 +62,7 @@ def join_nodes(address: str, port: int, serve: bool):
                 raise  # else another process took the free port first: another
 
 
-def free_port(address: str) -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
