@@ -336,15 +336,43 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(default_run,
     train(tmp_path / "as_saved", *narrow, "model.net.width=256")
 
 
-def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line(default_run, tmp_path):
-    planted = tmp_path / "planted.ckpt"
-    planted.write_bytes((default_run[1] / "checkpoints" / "best.ckpt").read_bytes())
+@pytest.mark.parametrize("saved", ["best.ckpt", "model.pt"])
+def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line_by_every_reader(default_run, saved, tmp_path):
+    planted = tmp_path / saved
+    planted.write_bytes((default_run[1] / "checkpoints" / saved).read_bytes())
     plant(planted)
-    proc = train(tmp_path, "train=false", f"ckpt_path={planted}", expect_ok=False)
-    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: ckpt_path={planted} holds pickled objects besides tensors (")
-    assert line.endswith("refused: loading it could run code. Load only checkpoints written by this starter")
+    # each reader of a checkpoint file: evaluating, resuming (a Lightning checkpoint), fine-tuning from it,
+    # predicting, exporting
+    readers = [["train=false", f"ckpt_path={planted}"], [f"init_from={planted}"]]
+    readers += [[f"ckpt_path={planted}"]] if saved.endswith(".ckpt") else []
+    runs = [train(tmp_path, *how, expect_ok=False) for how in readers]
+    scripts = {"predict.py": ["inputs=.", "num_workers=0"], "export.py": ["format=torch_export"]}
+    runs += [train(tmp_path, f"ckpt_path={planted}", *more, script=s, expect_ok=False) for s, more in scripts.items()]
+    for proc in runs:
+        assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert re.match(rf"error: (ckpt_path|init_from)={planted} holds pickled objects besides tensors \(", line), line
+        assert line.endswith("refused: loading it could run code. Load only checkpoints written by this starter")
+
+
+def test_a_config_beside_a_checkpoint_is_read_as_data_never_resolved(default_run, tmp_path):
+    # someone else's run directory: its config.yaml asks for this machine's environment, which a resolve would read
+    run = tmp_path / "theirs"
+    (run / "checkpoints").mkdir(parents=True)
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    checkpoint.write_bytes((default_run[1] / "checkpoints" / "last.ckpt").read_bytes())
+    config = (default_run[1] / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace("task_name: train", "task_name: ${oc.env:SECRET_TOKEN}"))
+    proc = train(tmp_path, f"ckpt_path={checkpoint}", env={"SECRET_TOKEN": "hunter2"}, expect_ok=False)
+    assert proc.returncode == 2 and "hunter2" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {run / 'config.yaml'}: refused, it holds an interpolation ('${{oc.env:SECRET_TOKEN}}'), a run's none;"
+        " move the checkpoint out of that directory to load it without its config"
+    ]
+    (run / "config.yaml").write_text("!!python/object/apply:os.system ['echo CODE FROM THE CONFIG RAN']")
+    proc = train(tmp_path, f"ckpt_path={checkpoint}", expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CONFIG RAN" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {run / 'config.yaml'}: refused, not a run's")
 
 
 def test_sharded_checkpoint_under_another_strategy_is_refused_before_training(tmp_path):

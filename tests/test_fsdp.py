@@ -3,12 +3,15 @@
 import csv
 import json
 import os
+import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
+from conftest import ROOT, Planted, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
 from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -95,8 +98,6 @@ def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):
 
 
 def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself(short_runs, tmp_path):
-    import shutil
-
     # a directory: the single-file pre-check does not read it, Lightning's load does
     planted = tmp_path / "planted.ckpt"
     shutil.copytree((short_runs["fsdp"] / "checkpoints" / "last.ckpt").resolve(), planted)
@@ -105,6 +106,69 @@ def test_a_sharded_checkpoint_holding_pickled_code_is_refused_by_the_load_itself
     assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds pickled objects besides tensors" in errors[0] and "Traceback" not in proc.stderr
+
+
+def planted_copy(short_runs, tmp_path, tamper) -> Path:
+    """A copy of the fsdp run's last sharded checkpoint whose `.metadata` `tamper(metadata)` changed, pickled again with
+    pickle itself, as whoever hands the directory on would."""
+    planted = tmp_path / "planted.ckpt"
+    shutil.copytree((short_runs["fsdp"] / "checkpoints" / "last.ckpt").resolve(), planted)
+    metadata = pickle.loads((planted / ".metadata").read_bytes())
+    tamper(metadata)
+    (planted / ".metadata").write_bytes(pickle.dumps(metadata))
+    return planted
+
+
+def refused_everywhere(tmp_path, planted: Path, digit_files) -> list[str]:
+    """The error line of each reader of a sharded checkpoint given `planted`: resuming, evaluating, predicting,
+    exporting; each exits 2 and no code from the checkpoint runs."""
+    runs = [
+        train(tmp_path / "fit", "strategy=fsdp", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False),
+        train(tmp_path / "test", "strategy=fsdp", "train=false", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False),
+        predict(tmp_path / "predict", f"ckpt_path={planted}", f"inputs={digit_files}", expect_ok=False),
+        train(tmp_path / "export", f"ckpt_path={planted}", "format=torch_export", script="export.py", expect_ok=False),
+    ]
+    lines = []
+    for proc in runs:
+        assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        lines.append(line)
+    return lines
+
+
+def test_a_sharded_checkpoint_whose_metadata_names_code_is_refused_by_every_reader(short_runs, digit_files, tmp_path):
+    planted = planted_copy(short_runs, tmp_path, lambda metadata: setattr(metadata, "planner_data", Planted()))
+    for line in refused_everywhere(tmp_path, planted, digit_files):
+        assert line == (
+            f"error: {planted}/.metadata: refused, not a checkpoint's metadata (it names"
+            " builtins.print, which is no checkpoint metadata); loading it could run code"
+        )
+
+
+def test_a_sharded_checkpoint_pointing_outside_its_directory_is_refused(short_runs, digit_files, tmp_path):
+    def elsewhere(metadata):
+        first = next(iter(metadata.storage_data))
+        metadata.storage_data[first].relative_path = "../../../../etc/passwd"
+
+    planted = planted_copy(short_runs, tmp_path, elsewhere)
+    line = f"error: {planted}/.metadata: refused, it points at '../../../../etc/passwd', not a shard file of its"
+    assert refused_everywhere(tmp_path, planted, digit_files) == [f"{line} directory"] * 4
+
+
+def test_a_sharded_checkpoint_entry_holding_pickled_code_is_refused(short_runs, digit_files, tmp_path):
+    from torch.distributed.checkpoint import save
+
+    # torch's own writer, as an attacker would use it: a weight's entry saved as a pickled object
+    planted = tmp_path / "planted.ckpt"
+    weights = {f"state_dict.{name}": value for name, value in model_weights(short_runs["fsdp"]).items()}
+    weights[next(iter(weights))] = Planted()
+    save(weights, checkpoint_id=planted)
+    shutil.copy(short_runs["fsdp"] / "checkpoints" / "last.ckpt" / "meta.pt", planted / "meta.pt")
+    proc = predict(tmp_path / "predict", f"ckpt_path={planted}", f"inputs={digit_files}", expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {planted}: refused, state_dict.{next(iter(weights))[11:]} holds a pickled object")
 
 
 def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):

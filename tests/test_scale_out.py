@@ -166,6 +166,21 @@ def test_an_interrupted_optuna_sweep_continues_its_study_from_the_journal(tmp_pa
     assert len(set(lrs)) == 3  # the continued study draws new points, not the seeded sampler's first ones again
 
 
+def test_a_journal_that_is_not_optunas_is_refused_in_one_line_before_a_trial_runs(tmp_path):
+    import pickle
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    operation = '{"op_code": 0, "worker_id": "w", "study_name": "sweep", "directions": [1]}\n'
+    (sweep / "optuna.journal").write_bytes(operation.encode() + pickle.dumps(print) + b"\n")
+    proc = train(tmp_path, *OPTUNA_ONE_PROCESS, f"hydra.sweep.dir={sweep}", expect_ok=False)
+    assert proc.returncode == 2 and sorted(p.name for p in sweep.iterdir()) == ["optuna.journal"]  # no trial
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {sweep / 'optuna.journal'}: line 2 is no Optuna journal operation; continue a sweep from the journal"
+        " a sweep wrote, or give another hydra.sweep.dir"
+    ]
+
+
 def test_an_optuna_trial_that_falls_behind_is_pruned_after_its_validation(tmp_path):
     # a pruner that prunes every figure below 2 (val/acc never is): the trial stops after its first epoch
     prune = ["hydra.sweeper.n_trials=1", "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",

@@ -6,6 +6,7 @@ one line."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from conftest import (
     QUIET,
     ROOT,
     SMALL_VIT_20_STEPS,
+    Planted,
     as_rank,
     free_port,
     max_difference,
@@ -195,6 +197,61 @@ def test_a_set_of_another_format_is_refused_in_one_line_saying_to_make_it_again(
     )
 
 
+def planted_record(index: int) -> dict:
+    return {"index": index, "image": Planted(), "label": 0}  # litdata's optimize pickles what it does not know
+
+
+@pytest.fixture(scope="module")
+def planted_shards(digit_shards, tmp_path_factory) -> Path:
+    """A set made the way someone else would make one, with litdata's own writer: records holding a pickled object,
+    beside a shards.json copied from a real set."""
+    from litdata import optimize
+
+    out = tmp_path_factory.mktemp("planted") / "set"
+    for split in ("train", "val", "test"):
+        optimize(fn=planted_record, inputs=list(range(8)), output_dir=str(out / split), chunk_bytes="1MB",
+                 num_workers=1, verbose=False)  # fmt: skip
+    described = json.loads((digit_shards / "shards.json").read_text())
+    (out / "shards.json").write_text(json.dumps({**described, "splits": {"train": 8, "val": 8, "test": 8}}))
+    return out
+
+
+def test_a_set_whose_records_hold_pickled_objects_is_refused_before_a_record_is_read(planted_shards, tmp_path):
+    assert json.loads((planted_shards / "train" / "index.json").read_text())["config"]["data_format"][1] == "pickle"
+    proc = train(tmp_path, *SHARDS, f"data.source={planted_shards}", "debug=fdr", expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {planted_shards}/train/index.json: refused, its records are {{'index': 'int', 'image': 'pickle',"
+        " 'label': 'int'}; this starter reads make_shards.py's ({'index': 'int', 'image': 'no_header_tensor:11',"
+        " 'label': 'int'})"
+    )
+
+
+def test_a_record_of_another_kind_is_never_deserialized_whatever_its_index_said(planted_shards, capfd):
+    # the reader itself, past the index's check (a store's file can change between two reads)
+    from starter.data.shard_records import ShardRecords
+    from starter.errors import UserError
+
+    with pytest.raises(UserError, match=f"^{planted_shards}/train: record 3 refused, a field of another kind"):
+        ShardRecords(str(planted_shards / "train"), 8, "L")[3]
+    assert "CODE FROM THE CHECKPOINT RAN" not in capfd.readouterr().out
+
+
+def test_a_set_naming_a_chunk_outside_its_directory_is_refused(digit_shards, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(digit_shards, elsewhere)
+    index_file = elsewhere / "val" / "index.json"
+    index = json.loads(index_file.read_text())
+    index["chunks"][0]["filename"] = "../../../../etc/passwd"
+    index_file.write_text(json.dumps(index))
+    proc = train(tmp_path, *SHARDS, f"data.source={elsewhere}", "debug=fdr", expect_ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {index_file}: refused, it names a chunk '../../../../etc/passwd': a chunk is a file beside it"
+        " (chunk-<n>-<m>.bin)"
+    )
+
+
 def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards, tmp_path):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(digit_shards), str(broken)], check=True)
@@ -274,6 +331,40 @@ def test_a_capped_cache_stays_near_its_cap_and_trains_as_the_source(s3, tmp_path
     # the set's chunks hold some 600 KB; the cache keeps to its cap (litdata evicts as it reads: a few chunks over)
     # and fetches again what it evicted
     assert held < 200_000 and sum(fetched.values()) > len(fetched)
+
+
+def test_a_set_on_a_store_holding_pickled_records_is_refused_as_read_before_and_as_fetched(
+    s3, planted_shards, tmp_path, monkeypatch
+):
+    import boto3
+
+    store = boto3.client("s3", **{"endpoint_url": s3.env["AWS_ENDPOINT_URL"]}, region_name="us-east-1",
+                         aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
+                         aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    for path in planted_shards.rglob("*"):
+        if path.is_file():
+            store.upload_file(str(path), "shards", f"planted/{path.relative_to(planted_shards)}")
+    proc = train(tmp_path, *SHARDS, "data.source=s3://shards/planted", "debug=fdr", env=s3.env, expect_ok=False)
+    assert proc.returncode == 2 and "CODE FROM THE CHECKPOINT RAN" not in proc.stdout + proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: s3://shards/planted/train/index.json: refused, its records are {'index': 'int', 'image': 'pickle',"
+        )
+    )
+    # the index litdata itself fetches (a store's file can change after the check before launch) is checked too
+    from starter.data.object_store import use_plain_http_endpoints
+    from starter.errors import UserError
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    use_plain_http_endpoints()
+    from litdata.streaming.downloader import get_downloader
+
+    fetcher = get_downloader("s3://shards/planted/train", str(tmp_path / "cache"), [])
+    with pytest.raises(UserError, match="^s3://shards/planted/train/index.json: refused, its records are"):
+        fetcher.download_file("s3://shards/planted/train/index.json", str(tmp_path / "cache" / "index.json"))
 
 
 def test_a_missing_bucket_wrong_credentials_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):

@@ -26,6 +26,11 @@ def one_line(err: BaseException) -> str:
     return text
 
 
+def first_line(err: BaseException) -> str:
+    """'Type: the first line of its message' (some libraries' errors run over a hundred lines)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
 _ctrl_c: list[int] = []  # the SIGINTs this process got
 
 

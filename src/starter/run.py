@@ -86,9 +86,15 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
         if cfg.train:
             best = [c for c in trainer.checkpoint_callbacks if c.monitor and c.best_model_path]
             ckpt_path = best[0].best_model_path if best else None  # none (callbacks=none, fast_dev_run): final weights
-            if best and trainer.is_global_zero:
-                log.info("testing %s (epoch %d, %s %.4g)", shown(ckpt_path, cfg.paths.output_dir),
-                         saved_epoch(Path(ckpt_path)), best[0].monitor, float(best[0].best_model_score))  # fmt: skip
+            if best and trainer.is_global_zero:  # a score is unknown where a resume elsewhere saved no better one
+                score = best[0].best_model_score
+                figure = f", {best[0].monitor} {float(score):.4g}" if score is not None else ""
+                log.info(
+                    "testing %s (epoch %d%s)",
+                    shown(ckpt_path, cfg.paths.output_dir),
+                    saved_epoch(Path(ckpt_path)),
+                    figure,
+                )
         with refusing_pickled_code(ckpt_path):
             trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)

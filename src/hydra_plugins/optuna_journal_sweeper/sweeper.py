@@ -5,6 +5,8 @@ lives in a journal file in the sweep directory (or `storage`): an interrupted sw
 behind is pruned by the job itself (callbacks/optuna_pruning.py), told here as pruned. The best trial is written to
 <sweep dir>/optimization_results.yaml."""
 
+import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from starter.errors import USER_ERROR_EXIT_CODE
 
 JOURNAL = "optuna.journal"
 
@@ -102,8 +106,28 @@ def open_storage(storage: str):
     from optuna.storages.journal import JournalFileBackend
 
     if storage.startswith("journal:"):
-        return JournalStorage(JournalFileBackend(storage.removeprefix("journal:")))
+        path = Path(storage.removeprefix("journal:"))
+        check_journal(path)
+        return JournalStorage(JournalFileBackend(str(path)))
     return storage
+
+
+def check_journal(path: Path) -> None:
+    """A journal to continue holds what Optuna writes there: one JSON object a line, each an operation (`op_code`)
+    of a worker (`worker_id`). Anything else stops the sweep in one line naming the file, before Optuna replays it."""
+    if not path.is_file():
+        return
+    with open(path, "rb") as journal:
+        for number, line in enumerate(journal, 1):
+            try:
+                operation = json.loads(line)
+                known = isinstance(operation["op_code"], int) and isinstance(operation["worker_id"], str)
+            except (ValueError, KeyError, TypeError):
+                known = False
+            if not known and line.strip():
+                instead = "continue a sweep from the journal a sweep wrote, or give another hydra.sweep.dir"
+                print(f"error: {path}: line {number} is no Optuna journal operation; {instead}", file=sys.stderr)
+                raise SystemExit(USER_ERROR_EXIT_CODE)
 
 
 def search_space(params: dict) -> tuple[dict, list[str]]:

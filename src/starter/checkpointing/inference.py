@@ -9,6 +9,7 @@ import torch
 
 from starter.checkpointing.record import check_record
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
+from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
 
 # what ShardedDataModule.inference() records, which predicting from image files needs
@@ -59,10 +60,8 @@ def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModul
     check_record(record, builders, f"ckpt_path={path}")
     model = instantiate(record["model"])
     if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
-        from torch.distributed.checkpoint import load
-
         weights = {"state_dict": model.state_dict()}
-        load(weights, checkpoint_id=path)
+        read_sharded(weights, path)
         saved = weights
     if mismatch := weights_mismatch(model.state_dict(), saved["state_dict"]):
         raise UserError(f"ckpt_path={path}: its weights do not fit the model it names ({mismatch})")

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def load_initial_weights(model: torch.nn.Module, path: Path, builders: set[str]) -> None:
     """`builders`: what a model config here names; a checkpoint's inference record naming anything else is refused,
     as predict.py refuses it, though only its weights are read here."""
-    with refusing_pickled_code(path):
+    with refusing_pickled_code(path, key="init_from"):
         saved = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(saved, dict) and "inference" in saved:
         check_record(saved["inference"], builders, f"init_from={path}")

@@ -31,7 +31,7 @@ def check_record(record, builders: set[str], named: str) -> None:
                 " (conf/model/ and hydra.searchpath); refused: loading a checkpoint never calls what it names. Give"
                 " the run's hydra.searchpath, or use a checkpoint this starter trained"
             )
-    if interpolated := next(_interpolations(record), None):
+    if interpolated := next(interpolations(record), None):
         raise UserError(
             f"{named}: its inference record holds an interpolation ({interpolated!r}); refused: a trained"
             " model's record holds plain values"
@@ -59,7 +59,7 @@ def _targets(node):
     return (n["_target_"] for n in _nodes(node) if isinstance(n, dict) and "_target_" in n)
 
 
-def _interpolations(node):
+def interpolations(node):
     """Every string in `node` (keys too) that OmegaConf would resolve."""
     return (n for n in _nodes(node) if isinstance(n, str) and "${" in n)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from starter.errors import UserError
+from starter.checkpointing.record import interpolations
+from starter.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
         last = path / "checkpoints" / "last.ckpt"  # a run directory's
         instead = f"ckpt_path={last}" if last.is_file() else "a .ckpt file, a sharded checkpoint or ckpt_path=last"
         raise UserError(f"ckpt_path={cfg.ckpt_path} is a directory but no checkpoint; give {instead}")
+    if is_sharded(path):
+        from starter.checkpointing.sharded_read import read_metadata
+
+        read_metadata(path)  # one that is not torch's metadata is refused here, before any process starts
     return path
 
 
@@ -48,9 +53,22 @@ def is_sharded(path: Path) -> bool:
 
 
 def saved_config(checkpoint: Path) -> DictConfig | None:
-    """The config of the run that wrote `checkpoint` (<run>/checkpoints/<name>), where it is still beside it."""
+    """The config of the run that wrote `checkpoint` (<run>/checkpoints/<name>), where it is still beside it. It may be
+    anyone's: read as plain YAML, never resolved. A run's config.yaml holds resolved values, so one holding an
+    interpolation (`${oc.env:...}` would read this machine's environment) or no mapping is refused in one line."""
     config = checkpoint.resolve().parent.parent / "config.yaml"
-    return OmegaConf.load(config) if config.is_file() else None
+    if not config.is_file():
+        return None
+    try:
+        saved = OmegaConf.load(config)
+    except Exception as err:
+        raise UserError(f"{config}: refused, not a run's config.yaml ({first_line(err)})") from None
+    if not isinstance(saved, DictConfig):
+        raise UserError(f"{config}: refused, not a run's config.yaml (no mapping)")
+    if (interpolated := next(interpolations(OmegaConf.to_container(saved, resolve=False)), None)) is not None:
+        instead = "move the checkpoint out of that directory to load it without its config"
+        raise UserError(f"{config}: refused, it holds an interpolation ({interpolated!r}), a run's none; {instead}")
+    return saved
 
 
 def check_sharded_writer(path: Path, strategy: str) -> None:
@@ -76,10 +94,10 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
     except UserError:
         raise
     except Exception as err:
-        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {str(err).splitlines()[0]}") from err
+        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {first_line(err)}") from err
     if mismatch := weights_mismatch(model.state_dict(), saved):
         run = saved_config(path)
-        theirs = _leaves(OmegaConf.to_container(run.model, resolve=True)) if run and "model" in run else {}
+        theirs = _leaves(OmegaConf.to_container(run.model)) if run and "model" in run else {}
         mine = _leaves(OmegaConf.to_container(model_cfg, resolve=True))
         differ = [f"model.{key}={value}" for key, value in theirs.items() if mine.get(key) != value]
         differ = " ".join(differ[:5] + (["..."] if len(differ) > 5 else []))
@@ -106,11 +124,14 @@ def weights_mismatch(expected: dict, found: dict) -> str | None:
 
 
 @contextmanager
-def refusing_pickled_code(path):
-    """Checkpoints load weights-only: one that holds a pickled object (code that would run) is refused in one line."""
+def refusing_pickled_code(path, key: str = "ckpt_path"):
+    """Checkpoints load weights-only: one that holds a pickled object (code that would run) is refused in one line
+    naming it as the user did (`key`=`path`)."""
     try:
         yield
     except pickle.UnpicklingError as err:
         first = str(err).splitlines()[0][:120]
-        raise UserError(f"ckpt_path={path} holds pickled objects besides tensors ({first}...); refused: loading it"
-                        " could run code. Load only checkpoints written by this starter") from None  # fmt: skip
+        instead = "Load only checkpoints written by this starter"
+        raise UserError(
+            f"{key}={path} holds pickled objects besides tensors ({first}...); refused: loading it could run code. {instead}"
+        ) from None

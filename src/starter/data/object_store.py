@@ -12,14 +12,12 @@ import asyncio
 import os
 from urllib.parse import urlparse
 
+from starter.data.shard_set import INDEX, check_index
+from starter.errors import first_line
+
 
 class ChunkUnreadable(Exception):
     """A chunk the store did not give (after its client's own retries)."""
-
-
-def first_line(err: BaseException) -> str:
-    """'Type: the first line of its message' (obstore's errors run over a hundred lines)."""
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
 
 
 def use_plain_http_endpoints() -> None:
@@ -34,12 +32,17 @@ def _downloader_class():
 
     class S3Downloader(LitdataS3Downloader):
         def download_file(self, remote_filepath: str, local_filepath: str) -> None:
+            """Also refuses the index litdata then reads if it is not one make_shards.py writes, whatever it was
+            when the run began (a store's file can change between two reads)."""
             try:
                 super().download_file(remote_filepath, local_filepath)
             except FileNotFoundError:
                 raise
             except Exception as err:
                 raise ChunkUnreadable(f"{remote_filepath}: {first_line(err)}") from None
+            if os.path.basename(local_filepath) == INDEX:
+                with open(local_filepath) as index:
+                    check_index(remote_filepath, index.read())
 
         def _plain_http(self) -> str | None:
             endpoint = self._client.client.meta.endpoint_url or ""  # as litdata's boto3 client read AWS_ENDPOINT_URL

@@ -3,12 +3,14 @@ the process that reads it: a loader worker, or this one), its image bytes decode
 (decode_image_data). torch, torchvision and litdata only: loader workers unpickle it in a fork server without
 Lightning."""
 
+from functools import cache
+
 from torch.utils.data import Dataset
 
 from starter.data.device_decode import collate_encoded
 from starter.data.image_files import decode_image_data
-from starter.data.shard_set import is_remote
-from starter.errors import UserError
+from starter.data.shard_set import RECORD_FORMAT, is_remote
+from starter.errors import UserError, first_line
 
 
 class ShardRecords(Dataset):
@@ -45,13 +47,17 @@ class ShardRecords(Dataset):
             # neighbours, which a random order does not read next (0.011 ms a record, not 0.084). A cached remote
             # chunk is a file litdata reads whole to read one record that way: its window is cheaper there.
             decode = {"batch_decode": 0} if not is_remote(self.url) else {}
-            self._records = StreamingDataset(self.url, **decode, **options)
+            self._records = StreamingDataset(self.url, serializers=record_serializers(), **decode, **options)
             self._records._on_demand_bytes = False
         return self._records
 
     def __getitem__(self, index: int):
         try:
             record = self._read(index)
+        except UserError:  # the index refused where it was read (object_store.py)
+            raise
+        except RefusedField:
+            raise UserError(f"{self.url}: record {index} refused, a field of another kind than ours") from None
         except Exception as err:  # the store refused or went away (after the store client's own retries)
             raise UserError(f"cannot read record {index} of {self.url}: {_reason(err)}") from err
         if record.get("index") != index:
@@ -81,6 +87,31 @@ class ShardRecords(Dataset):
         return self.records()[index]
 
 
+class RefusedField(Exception):
+    """A record field that make_shards.py does not write, left unread."""
+
+
+@cache
+def record_serializers() -> dict:
+    """litdata's serializers for reading, each refusing but those of make_shards.py's records (shard_set.RECORD_FORMAT):
+    a record field of another kind is never deserialized (a `pickle` field would run what it names), whatever the
+    index said when it was checked. litdata is pinned: its table of serializers is read by name."""
+    from litdata.streaming.serializers import _SERIALIZERS, Serializer
+
+    class Refused(Serializer):
+        def serialize(self, item):
+            raise TypeError("make_shards.py writes these records")
+
+        def deserialize(self, data):
+            raise RefusedField
+
+        def can_serialize(self, item) -> bool:
+            return False
+
+    used = {data_format.split(":")[0] for data_format in RECORD_FORMAT}
+    return {name: serializer if name in used else Refused() for name, serializer in _SERIALIZERS.items()}
+
+
 def chunk_of(url: str, index: int) -> str:
     """The chunk file holding record `index` (read from the split's index.json: only when naming a bad record)."""
     import json
@@ -101,7 +132,7 @@ def chunk_of(url: str, index: int) -> str:
 def _reason(err: Exception) -> str:
     """The chunk that could not be fetched, where that is the cause (litdata's reader wraps it), or the error's first
     line."""
-    from starter.data.object_store import ChunkUnreadable, first_line
+    from starter.data.object_store import ChunkUnreadable
 
     cause = err
     while cause is not None and not isinstance(cause, ChunkUnreadable):

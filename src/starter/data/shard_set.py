@@ -4,6 +4,7 @@ so a set without it is not finished. S3 is reached with boto3 and the standard A
 a server of one's own, plain HTTP included)."""
 
 import json
+import re
 from pathlib import Path
 
 from starter.errors import UserError
@@ -11,6 +12,11 @@ from starter.errors import UserError
 DESCRIPTION = "shards.json"
 SPLITS = ("train", "val", "test")
 FORMAT = 2  # 2: each image's bytes in a uint8 tensor (1: Python bytes)
+INDEX = "index.json"  # litdata's description of a split: how its records are serialized, its chunk files
+# what make_shards.py's records are to litdata: {"index": int, "image": uint8 tensor (dtype 11), "label": int}
+RECORD_FORMAT = ["int", "no_header_tensor:11", "int"]
+RECORD_KEYS = ["index", "image", "label"]
+CHUNK_NAME = re.compile(r"chunk-\d+-\d+\.bin")  # litdata's name of each chunk file, beside index.json
 
 
 def is_remote(source: str) -> bool:
@@ -64,4 +70,33 @@ def describe(source: str) -> dict:
     if description.get("format") != FORMAT:
         raise UserError(f"data.source={source}: a shard set of format {description.get('format')}; this starter"
                         f" reads format {FORMAT}: make it again with make_shards.py")  # fmt: skip
+    for split in [split for split, size in description["splits"].items() if size != "val"]:  # test may be val
+        check_index(join(source, split, INDEX))
     return description
+
+
+def check_index(url: str, text: str | None = None) -> None:
+    """A split's index.json (`text`, else read at `url`) as make_shards.py writes it, or one line naming it: records
+    of the format make_shards.py writes (litdata would unpickle a `pickle` field, run a `file` one, ...), uncompressed
+    and unencrypted, chunks named as litdata names them (a name is joined into a path of the cache)."""
+    text = read_text(url) if text is None else text
+    if text is None:
+        raise UserError(f"{url}: missing; the shard set is not whole: make it again with make_shards.py")
+    try:
+        index = json.loads(text)
+        config, chunks = index["config"], index["chunks"]
+        spec = json.loads(config["data_spec"])[1]
+        keys = json.loads(spec["context"]) if spec.get("type") == "builtins.dict" else None
+        chunk_names = [chunk["filename"] for chunk in chunks]
+        sizes = [chunk["chunk_size"] for chunk in chunks]
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise UserError(f"{url}: refused, not litdata's index of a shard set ({type(err).__name__}: {err})") from None
+    if config.get("data_format") != RECORD_FORMAT or keys != RECORD_KEYS:
+        theirs, ours = dict(zip(keys or [], config.get("data_format") or [])), dict(zip(RECORD_KEYS, RECORD_FORMAT))
+        raise UserError(f"{url}: refused, its records are {theirs}; this starter reads make_shards.py's ({ours})")
+    if any(config.get(key) for key in ("compression", "encryption")) or config.get("item_loader") != "PyTreeLoader":
+        raise UserError(f"{url}: refused, its chunks are compressed, encrypted or for another loader than ours")
+    if bad := [name for name in chunk_names if not (isinstance(name, str) and CHUNK_NAME.fullmatch(name))]:
+        raise UserError(f"{url}: refused, it names a chunk {bad[0]!r}: a chunk is a file beside it (chunk-<n>-<m>.bin)")
+    if not all(isinstance(size, int) and size > 0 for size in sizes):
+        raise UserError(f"{url}: refused, its chunk sizes are not counts of records")

@@ -6,11 +6,14 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from starter.checkpointing.resume import is_sharded
 from starter.checkpointing.sharded import point_atomically
+from starter.checkpointing.sharded_read import read_sharded
 from starter.topology import Layout
 
 
@@ -65,6 +68,29 @@ class OutsideModelParallel(ModelParallelStrategy):
         if self.is_global_zero:
             point_atomically(link, version)
         self.barrier()
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Lightning's reading of a sharded checkpoint (the model's shards, each optimizer's, then meta.pt: the rest),
+        through a reader that takes data only (checkpointing/sharded_read.py); a whole file is Lightning's."""
+        path = Path(self.broadcast(checkpoint_path))
+        if not is_sharded(path):
+            return super().load_checkpoint(path, weights_only=True)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        weights = {"state_dict": get_model_state_dict(self.model)}
+        read_sharded(weights, path)
+        self.model.load_state_dict(weights["state_dict"], strict=self.lightning_module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            read_sharded(state, path)
+            set_optimizer_state_dict(self.model, optimizer, state[key], options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=True)
 
     def remove_checkpoint(self, filepath) -> None:
         link = Path(filepath)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
 from starter.models.logging_step import is_logging_step, steps_optimizer
 from starter.strategies.pipeline_plan import PIPELINE_SCHEDULES, stages_per_process
@@ -227,8 +228,7 @@ class Pipelined:
         """Each process reads its stages' weights (by name, whatever the cut that saved them) and optimizer state
         (same cut only: checked before launch); returns the rest of the checkpoint."""
         if not self.pipelined:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        from torch.distributed import checkpoint
+            return super().load_checkpoint(checkpoint_path, weights_only=True)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -242,23 +242,23 @@ class Pipelined:
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
                 raise UserError(f"ckpt_path={path}: a pipeline resumes from its own sharded checkpoint (evaluating"
                                 " this one works: train=false)")  # fmt: skip
-            saved = torch.load(path, map_location="cpu", weights_only=weights_only)
+            saved = torch.load(path, map_location="cpu", weights_only=True)
             weights = saved.pop("state_dict")
             mine = {name: weights[name] for name in get_model_state_dict(self.model)}
             set_model_state_dict(self.model, mine, options=StateDictOptions(full_state_dict=True))
             return saved
         weights = {"state_dict": get_model_state_dict(self.model)}
-        checkpoint.load(weights, checkpoint_id=path)
+        read_sharded(weights, path)
         set_model_state_dict(self.model, weights["state_dict"])
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # testing: fit's optimizers linger
         rank = self.device_mesh["pipeline_parallel"].get_local_rank()
         for index, optimizer in enumerate(self.optimizers if fitting else []):
             state = {f"optimizer_{index}": self._per_stage(get_optimizer_state_dict(self.model, optimizer))}
-            checkpoint.load(state, checkpoint_id=path)
+            read_sharded(state, path)
             mine = state[f"optimizer_{index}"]
             mine = {"state": mine["state"], "param_groups": mine[f"param_groups_of_stage{rank}"]}
             set_optimizer_state_dict(self.model, optimizer, mine, options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / "meta.pt", weights_only=weights_only)
+        return torch.load(path / "meta.pt", weights_only=True)
 
     def full_state_dict(self) -> dict:
         """The plain net's full state dict, gathered from every stage on rank 0 (empty elsewhere)."""
