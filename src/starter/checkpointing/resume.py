@@ -131,7 +131,5 @@ def refusing_pickled_code(path, key: str = "ckpt_path"):
         yield
     except pickle.UnpicklingError as err:
         first = str(err).splitlines()[0][:120]
-        instead = "Load only checkpoints written by this starter"
-        raise UserError(
-            f"{key}={path} holds pickled objects besides tensors ({first}...); refused: loading it could run code. {instead}"
-        ) from None
+        refused = "refused: loading it could run code. Load only checkpoints written by this starter"
+        raise UserError(f"{key}={path} holds pickled objects besides tensors ({first}...); {refused}") from None
