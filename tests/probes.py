@@ -27,6 +27,33 @@ class SigtermAtStep(L.Callback):
             os.kill(os.getpid(), signal.Signals[self.signal])
 
 
+class SlowSteps(L.Callback):
+    """Each training step takes `seconds` longer, as a large model's does; rank 0 writes when each step ended (its
+    global step, monotonic time) to `output`, a line each."""
+
+    def __init__(self, seconds: float, output: str):
+        self.seconds, self.output = seconds, Path(output)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        time.sleep(self.seconds)  # within the step, before the callbacks that end it
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            with self.output.open("a") as f:
+                f.write(f"{trainer.global_step} {time.monotonic()}\n")
+
+
+class SlowSaves(L.Callback):
+    """Every checkpoint saved after step `after` takes `seconds` longer to write, as a large model's does."""
+
+    def __init__(self, seconds: float, after: int):
+        self.seconds, self.after = seconds, after
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step > self.after:
+            time.sleep(self.seconds)
+
+
 class RecordCompiledGraphs(L.Callback):
     """Writes `<output>/rank<r>.json`: the graphs torch.compile made in this process by the end of training."""
 

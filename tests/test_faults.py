@@ -135,17 +135,60 @@ def test_a_stop_signal_saves_last_checkpoint_and_exits_143_on_every_rank(target,
     last = wait_for_checkpoint(tmp_path, proc)
     before = torch.load(last, weights_only=True)["global_step"]
     # The launcher forwards a scheduler's stop signal (here SIGUSR2, a time-out warning) to every worker; a signal
-    # reaching only one rank must stop all of them at the same step too (they agree after each batch).
+    # reaching only one rank stops all of them at the same step too (its watchdog tells the others).
     os.kill(proc.pid if target == "launcher" else worker_of_rank(proc, 1), signal.Signals[stop])
     proc.wait(timeout=60)
     assert proc.returncode == 143
     out, err = proc.stdout.read(), proc.stderr.read()
-    said = "SIGUSR2" if target == "launcher" else "a stop signal"  # the launcher knows the signal it forwarded
+    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", out)  # rank 0's line
+    # the launcher knows the signal it forwarded, and from rank 0 the step it saved at
+    said = f"SIGUSR2 at step {stopped_at}" if target == "launcher" else "a stop signal"
     # that line alone: no traceback, nor torch's agent's warning ("Received 12 death signal, shutting down workers")
     assert err.strip() == f"error: stopped by {said} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-    (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", out)  # rank 0's line
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == int(stopped_at) > before  # saved at the stop, not at an epoch's end only
+
+
+SLOW = ["trainer.limit_train_batches=3", "trainer.limit_val_batches=1", "test=false"]
+
+
+def test_a_stop_signal_saves_within_two_steps_however_long_a_step_takes(tmp_path):
+    # Steps of 1.5 s (a large model's), logged every 10 steps: the ranks agree on the stop step through the run's
+    # store, not at a logging step, and the launcher waits for the save (stop_grace_s) before it ends them
+    ends = tmp_path / "step_ends"
+    slow = [
+        "+callbacks.slow._target_=probes.SlowSteps",
+        "+callbacks.slow.seconds=1.5",
+        f"+callbacks.slow.output={ends}",
+    ]
+    proc = start(tmp_path, *LONG_DDP, *SLOW, *slow, env=PROBES)
+    last = wait_for_checkpoint(tmp_path, proc, epochs=1)
+    os.kill(proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    (code,), (ended,), lines = exits([proc], timeout=60)
+    ended_steps = [line.split() for line in ends.read_text().splitlines()]
+    in_progress = next(int(step) for step, at in ended_steps if float(at) > signalled)  # the step the signal met
+    saved = torch.load(last, weights_only=True)["global_step"]
+    assert code == 143 and lines == [
+        f"error: stopped by SIGTERM at step {saved} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
+    ]
+    # the step after the one the signal met, or (where it met the end of that step) the next: within two steps
+    assert in_progress < saved <= in_progress + 2 and saved > 3  # past the first epoch's 3 steps
+    print(f"SIGTERM to exit: {ended - signalled:.1f} s with steps of 1.5 s")
+
+
+def test_a_save_longer_than_stop_grace_s_is_said_to_be_unsaved(tmp_path):
+    slow = ["+callbacks.slow._target_=probes.SlowSaves", "+callbacks.slow.seconds=30", "+callbacks.slow.after=3"]
+    proc = start(tmp_path, *LONG_DDP, *SLOW, *slow, "stop_grace_s=2", env=PROBES)
+    last = wait_for_checkpoint(tmp_path, proc, epochs=1)
+    os.kill(proc.pid, signal.SIGTERM)
+    (code,), (ended,), lines = exits([proc], timeout=60)
+    assert code == 143 and lines == [
+        "error: stopped by SIGTERM; checkpoints/last.ckpt was not saved: the workers did not reach the end of a step"
+        " and save within stop_grace_s=2 (raise it above a step and a save); ckpt_path=last resumes from the newest"
+        " checkpoint kept, if any"
+    ]
+    assert torch.load(last, weights_only=True)["global_step"] == 3  # the first epoch's, whole
 
 
 @pytest.mark.parametrize("layout", ["1 process", "1 process, in a save", "2 processes, rank 0 in a save", "two nodes"])

@@ -19,7 +19,7 @@ from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserErro
 from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Traits, device_type, process_rank
+from starter.topology import Layout, Traits, device_type, key_prefix, process_rank
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = Fal
     """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
     workers read it: they leave with `code`, saying it."""
     from starter.launch.agent import node_store
-    from starter.launch.watchdog import key_prefix, linger_s, report
+    from starter.launch.watchdog import linger_s, report
 
     report(node_store(), code, line, _node_rank(), key_prefix(run_id(cfg)), say=say)  # under the workers' keys
     if _node_rank() == 0 and node_store() is not None:
@@ -146,8 +146,17 @@ def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict
     from starter.launch.watchdog import linger_s
 
     try:
-        start_workers(job, worker_preload(job), config_path, layout, run_id(cfg), Traits.of(cfg.strategy).launcher,
-                      stop_signals=list(cfg.stop_signals), linger_s=linger_s(cfg.heartbeat_timeout_s))  # fmt: skip
+        start_workers(
+            job,
+            worker_preload(job),
+            config_path,
+            layout,
+            run_id(cfg),
+            Traits.of(cfg.strategy).launcher,
+            stop_signals=list(cfg.stop_signals),
+            grace_s=float(cfg.stop_grace_s),
+            linger_s=linger_s(cfg.heartbeat_timeout_s),
+        )
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
             print(f"error: {err.message}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig
 from starter.errors import UserError
 
 Support = bool | str
+STORE_KEY = "starter/watchdog"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,15 @@ def data_parallel_place(trainer) -> tuple[int, int]:
 def process_rank() -> int:
     """This process's global rank before Lightning knows it (RANK; srun: SLURM_PROCID); 0 for one process."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def key_prefix(run_id: str | None = None) -> str:
+    """The run's keys in its store (the one every process of a several-process run reaches at MASTER_ADDR:MASTER_PORT),
+    namespaced per run id and attempt of torch's agent (this process's, or `run_id`'s first): the agent's store
+    outlives a restart, and the old keys must not stop it."""
+    if (run_id := run_id or os.environ.get("TORCHELASTIC_RUN_ID")) is not None:
+        return f"{STORE_KEY}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    return STORE_KEY
 
 
 def device_type(cfg: DictConfig) -> str:

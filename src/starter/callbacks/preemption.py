@@ -1,8 +1,9 @@
-"""A stop signal (`stop_signals`) ends training on every rank at the same step, with checkpoints/last.ckpt saved where a
-resume continues with the next batch; the run exits 143. The handler only records the request; the ranks agree after a
-step through one collective (several processes: only at logging steps, between optimizer steps). It replaces
-Lightning's handler, which runs a collective inside the signal handler and can deadlock when ranks are signalled at
-different points of a step.
+"""A stop signal (`stop_signals`) ends training on every rank at the same step, one or two optimizer steps after it
+arrives, with checkpoints/last.ckpt saved where a resume continues with the next batch; the run exits 143. The handler
+only records the request. Several processes agree on the step through the run's store (`StopAgreement`): nothing is
+read from the device and no collective is added to any step, and until a signal arrives no step does anything at all.
+It replaces Lightning's handler, which runs a collective inside the signal handler and can deadlock when ranks are
+signalled at different points of a step.
 """
 
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from starter.models.logging_step import is_logging_step
+from starter.callbacks.stop_agreement import StopAgreement
 
 
 class SaveOnSigterm(L.Callback):
@@ -20,9 +21,11 @@ class SaveOnSigterm(L.Callback):
         self.path = Path(dirpath) / filename
         self.signals = [signal.Signals[name] for name in signals]
         self.requested = self.saved = False
+        self.agreement: StopAgreement | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:  # after Lightning registered its handlers
         self.requested = self.saved = False
+        self.agreement = StopAgreement(trainer.world_size) if trainer.world_size > 1 else None
         for signum in self.signals:
             signal.signal(signum, self._request_stop)
 
@@ -30,17 +33,13 @@ class SaveOnSigterm(L.Callback):
         self.requested = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
-        if trainer.world_size == 1:
-            stop = self.requested  # no collective: under DDP even a world of one would sync the host per step
-        elif not is_logging_step(trainer):
-            return
-        else:
-            stop = trainer.strategy.reduce_boolean_decision(self.requested, all=False)
-        if stop:
-            trainer.save_checkpoint(self.path)
+        if not self.requested or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # between optimizer steps the ranks' states differ from a checkpoint's
+        if self.agreement is None or self.agreement.stop_at(trainer.global_step):
+            trainer.save_checkpoint(self.path)  # written and renamed into place on return (checkpointing/)
             self.saved = True
+            if self.agreement is not None and trainer.is_global_zero:
+                self.agreement.say_saved(trainer.global_step)
 
     def _stop_if_saved(self, *args, **kwargs) -> None:
         if self.saved:

@@ -25,10 +25,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from starter.callbacks.stop_agreement import saved_step
 from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, catch_ctrl_c
 from starter.launch.fork_server import SERVER_IGNORES, fork_server
-from starter.launch.watchdog import failure, key_prefix, process_state, report, where
-from starter.topology import Layout
+from starter.launch.watchdog import failure, process_state, report, where
+from starter.topology import Layout, key_prefix
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
 _node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
@@ -123,10 +124,9 @@ def start_workers(
     oversight = Oversight(store, prefix, node, devices)
     try:
         elastic_launch(config, work)(str(config_path), job, dict(os.environ, OMP_NUM_THREADS=str(threads)), os.getpid())
-    except SignalException as stop:
-        name = signal.Signals(stop.sigval).name
+    except SignalException as stop:  # the agent forwarded it to the workers and gave them `grace_s` to end
         raise WorkerFailed(
-            f"stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last", PREEMPTED_EXIT_CODE
+            stopped_line(signal.Signals(stop.sigval).name, store, prefix, grace_s), PREEMPTED_EXIT_CODE
         ) from None
     except ChildFailedError as err:
         failed = oversight.failed(err.get_first_failure())
@@ -136,6 +136,17 @@ def start_workers(
         raise failed from None
     finally:
         oversight.stop()
+
+
+def stopped_line(name: str, store, prefix: str, grace_s: float) -> str:
+    """What a stop signal to the launcher ended with: "after saving" only where rank 0 said last.ckpt is in place."""
+    if (step := saved_step(store, prefix)) is not None:
+        return f"stopped by {name} at step {step} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
+    return (
+        f"stopped by {name}; checkpoints/last.ckpt was not saved: the workers did not reach the end of a step and save"
+        f" within stop_grace_s={grace_s:g} (raise it above a step and a save); ckpt_path=last resumes from the newest"
+        " checkpoint kept, if any"
+    )
 
 
 def _all_nodes_here(store, prefix: str, nodes: int, node: int, wait_s: float) -> None:

@@ -21,20 +21,12 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
+from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line
-from starter.launch.environment import torchrun_id
 from starter.launch.stall import Stall, main_thread_at, read_progress
+from starter.topology import key_prefix
 
-KEY = "starter/watchdog"
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
-
-
-def key_prefix(run_id: str | None = None) -> str:
-    """Namespaced per run id and attempt of torch's agent (this process's, or `run_id`'s first): the agent's store
-    outlives a restart, and the old keys must not stop it."""
-    if (run_id := run_id or torchrun_id()) is not None:
-        return f"{KEY}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    return KEY
 
 
 def interval_s(timeout_s: float) -> float:
@@ -195,6 +187,7 @@ class Watchdog:
         watched = range(self.world) if self.rank == 0 else [0]
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
+        relayed = False  # another rank's stop request, to this one (callbacks/preemption.py)
         while not self.stopping.wait(wait):
             wait = self.interval
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
@@ -203,6 +196,9 @@ class Watchdog:
                 if store is None:
                     store = client(self.address, self.port, self.timeout_s)
                     store.set(f"{prefix}/process/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+                if not relayed and stop_requested(store, prefix):  # a stop signal that reached other ranks only
+                    os.kill(os.getpid(), self.stop_signal)
+                    relayed = True
                 store.add(f"{prefix}/beat/{self.rank}", 1)
                 store.set(f"{prefix}/progress/{self.rank}", self._progress())
                 if found := failure(store):

@@ -1,0 +1,64 @@
+"""How the ranks of a run agree on the step at which a stop signal stops them, through the run's store: no collective,
+nothing read from the device, and nothing at all until a signal arrives. Lightning-free: the launcher and the
+watchdogs read what it writes."""
+
+import os
+from datetime import timedelta
+
+from starter.topology import key_prefix
+
+STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), what was saved
+
+
+class StopAgreement:
+    """The optimizer step at which every rank stops, agreed through the run's store. The ranks of a run step together
+    (each step's gradient collective waits for all), so a rank that has the request at the end of step s proposes
+    s + 1, which no rank has passed. A rank counts itself in once it has the request (its own signal: torch's agent,
+    torchrun and SLURM signal every rank; or its watchdog relaying another rank's, from this store); at the agreed
+    step the first rank there decides for all: stop where every rank has counted itself in, else one step later."""
+
+    def __init__(self, world: int):
+        self.world, self.prefix, self.counted, self._store = world, f"{key_prefix()}/{STOP_KEY}", False, None
+
+    def store(self):
+        if self._store is None:  # every process of the run reaches its store there (launch/)
+            from torch.distributed import TCPStore
+
+            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            self._store = TCPStore(
+                address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
+            )
+        return self._store
+
+    def stop_at(self, step: int) -> bool:
+        """Whether this rank, at the end of optimizer step `step`, stops (every rank gets the same answer there)."""
+        store = self.store()
+        if not self.counted:
+            store.add(f"{self.prefix}/ranks", 1)
+            self.counted = True
+        at = int(store.compare_set(f"{self.prefix}/at", "", str(step + 1)).decode())
+        if step < at:
+            return False
+        everyone = store.add(f"{self.prefix}/ranks", 0) >= self.world
+        decided = store.compare_set(f"{self.prefix}/decided/{step}", "", "stop" if everyone else "go").decode()
+        if decided == "go":
+            store.compare_set(f"{self.prefix}/at", str(step), str(step + 1))
+        return decided == "stop"
+
+    def say_saved(self, step: int) -> None:
+        """Rank 0, once last.ckpt is in place: what the launcher's line may then say."""
+        self.store().set(f"{self.prefix}/saved", str(step))
+
+
+def stop_requested(store, prefix: str) -> bool:
+    """Whether a rank of the run has asked the others to stop (a watchdog relays it to a rank no signal reached)."""
+    return store.check([f"{prefix}/{STOP_KEY}/at"])
+
+
+def saved_step(store, prefix: str) -> int | None:
+    """The step at which the run saved last.ckpt on a stop signal; None where it did not."""
+    key = f"{prefix}/{STOP_KEY}/saved"
+    try:
+        return int(store.get(key).decode()) if store is not None and store.check([key]) else None
+    except Exception:  # the store is gone
+        return None
