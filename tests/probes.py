@@ -16,6 +16,17 @@ from starter.data.digits import DigitsDataModule
 from starter.data.in_memory import TensorPairs, already_batched
 
 
+class AugmentedDigits(DigitsDataModule):
+    """The digits, each training batch shifted by a pixel or none each way as it reaches the device: drawn from the
+    training process's own generator, as any augmentation there draws (on the device, or with data.num_workers=0)."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        images, labels = batch
+        if self.trainer is not None and self.trainer.training:
+            images = torch.roll(images, shifts=torch.randint(-1, 2, (2,)).tolist(), dims=(-2, -1))
+        return super().on_after_batch_transfer((images, labels), dataloader_idx)
+
+
 class SigtermAtStep(L.Callback):
     """Sends SIGTERM (or `signal`) to this process after training step `step`, as a scheduler's preemption would."""
 

@@ -1,6 +1,7 @@
 """Modes are interchangeable: same seed, data and global batch give the same weights and the same metrics."""
 
 import csv
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -52,9 +53,18 @@ def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, 
 
 
 # 3 epochs of 8 batches = 24 steps; stopped by a stop signal after step 11 (epoch 1, batch 3), then the same command
-# again in the same directory, as a requeued job runs it.
-RESUME = ["accelerator=cpu", "trainer.max_epochs=3", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
-          "test=false", "trainer.log_every_n_steps=1"]  # fmt: skip
+# again in the same directory, as a requeued job runs it. Random numbers drawn in the training process: dropout, and
+# a random shift of each batch (probes.AugmentedDigits), each rank its own.
+RESUME = [
+    "accelerator=cpu",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=2",
+    "test=false",
+    "trainer.log_every_n_steps=1",
+    "model.net.dropout=0.3",
+    "data._target_=probes.AugmentedDigits",
+]
 
 
 def ranks(strategy: str) -> list[str]:
@@ -64,7 +74,10 @@ def ranks(strategy: str) -> list[str]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted runs, one process and ddp on 2."""
-    return {s: trained_weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s)) for s in ("auto", "ddp")}
+    return {
+        s: trained_weights(tmp_path_factory.mktemp(f"straight-{s}"), *RESUME, *ranks(s), env=PROBES)
+        for s in ("auto", "ddp")
+    }
 
 
 @pytest.mark.parametrize(  # each stop signal: preemption, sbatch --signal, a time-out warning
@@ -80,11 +93,23 @@ def test_a_run_stopped_mid_epoch_and_resumed_ends_bit_for_bit_where_the_straight
     stopped = train(tmp_path, *again, "+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11",
                     f"+callbacks.stop.signal={stop}", env=PROBES, expect_ok=False)  # fmt: skip
     assert stopped.returncode == 143, stopped.stderr[-2000:]
-    train(tmp_path, *again)
+    train(tmp_path, *again, env=PROBES)
     resumed = model_weights(tmp_path / "run")
     assert all(torch.equal(straight[strategy][k], resumed[k]) for k in resumed)  # bit for bit
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:  # every step trained once, none twice
         assert sorted(int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]) == list(range(24))
+
+
+def test_each_data_parallel_rank_draws_numbers_of_its_own_and_rank_0_those_of_one_process():
+    from starter.callbacks.random_state import RandomState
+
+    draws = []
+    for world, rank in ((1, 0), (2, 0), (2, 1)):
+        torch.manual_seed(42)  # what every rank's model was built after
+        place = {"num_replicas": world, "rank": rank} if world > 1 else None
+        RandomState(42).setup(SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs=place)), None, "fit")
+        draws.append(torch.rand(4))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
 
 
 def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_it(tmp_path):

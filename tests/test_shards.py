@@ -175,10 +175,15 @@ def test_a_run_resumed_at_another_number_of_processes_and_workers_sees_each_rema
     # 19 steps an epoch: stopped in epoch 1 on 2 processes, in epoch 2 on 1 process with 2 workers, ended on 2
     legs = [(["strategy=ddp", "devices=2", "data.num_workers=0"], 25), (["data.num_workers=2"], 45),
             (["strategy=ddp", "devices=2", "data.num_workers=1"], None)]  # fmt: skip
+    said = []
     for processes, step in legs:
         stopping = [*stop, f"+callbacks.stop.step={step}"] if step else [f"hydra.run.dir={run_dir}", "ckpt_path=auto"]
         leg = train(tmp_path / "legs", *common, *processes, *stopping, env=PROBES, expect_ok=step is None)
         assert leg.returncode == (143 if step else 0), leg.stderr[-3000:]
+        said.append(leg.stdout + leg.stderr)
+    # the random generators of another number of processes are not restored, and the run says so
+    assert "the checkpoint holds the random generators of 2 processes, this run has 1:" in said[1]
+    assert "the checkpoint holds the random generators of 1 processes, this run has 2:" in said[2]
     for epoch in range(3):  # the global batches of a straight run, whoever trained them
         assert epoch_ids(run_dir, epoch) == epoch_ids(straight_dir, epoch)
     assert max(epoch_ids(run_dir, 1).values()) == max(epoch_ids(straight_dir, 1).values())  # nothing seen twice more

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from omegaconf import DictConfig, OmegaConf
 
 from starter.callbacks.mid_epoch_resume import MidEpochResume
+from starter.callbacks.random_state import RandomState
 from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
@@ -53,7 +54,8 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     hyperparameters = PlainHyperparameters(*(OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data)))
     callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
     loggers = [lg for lg in map(build, cfg.logger.values()) if lg is not None]  # some only on rank 0
-    own = [inference, hyperparameters, MidEpochResume()]  # what every run keeps, whatever the callbacks config says
+    # what every run keeps, whatever the callbacks config says
+    own = [inference, hyperparameters, MidEpochResume(), RandomState(cfg.seed)]
     trainer = build_trainer(cfg, layout, [*callbacks, *own], loggers, getattr(datamodule, "shards_itself", False))
     log_config(trainer, cfg)
     try:

@@ -58,16 +58,18 @@ class ShardedDataModule(L.LightningDataModule):
         batch_size = per_process_batch(self.batch_size, world)
         # collate_fn: a data set may batch itself (TensorPairs). Pinned host memory: a copy from pageable memory would
         # wait for the GPU's queued work every step.
+        # A generator of the loader's own: its iterators draw their workers' seeds from it, not from the process's
+        # generators (which dropout draws from, and a resume restores: callbacks/random_state.py).
         options = dict(collate_fn=getattr(dataset, "collate_fn", None), num_workers=self.num_workers,
                        pin_memory=self.pin_memory and self._feeds_cuda(),
-                       persistent_workers=self.persistent_workers)  # fmt: skip
+                       persistent_workers=self.persistent_workers,
+                       generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
         if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
             # process's fork server, never from this threaded process; it imports what the workers unpickle
             from starter.launch.fork_server import fork_server
 
             unpickled_from = (type(dataset).__module__, seed_worker.__module__)
-            options |= dict(generator=torch.Generator().manual_seed(self.seed),
-                            worker_init_fn=partial(seed_worker, rank=rank),
+            options |= dict(worker_init_fn=partial(seed_worker, rank=rank),
                             multiprocessing_context=fork_server(unpickled_from))  # fmt: skip
         if split == "train":
             if self.ra_reps > 0:
@@ -81,7 +83,9 @@ class ShardedDataModule(L.LightningDataModule):
                     f"{self.batch_size}; use data.batch_size={most} or less"
                 )
             batches = ResumableBatches(sampler, batch_size, drop_last=True)
-            return ResumableLoader(dataset, batch_sampler=batches, progress=self._training_progress, **options)
+            return ResumableLoader(
+                dataset, batch_sampler=batches, progress=self._training_progress, epoch=self._epoch, **options
+            )
         sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
         return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)  # Lightning's predict keeps it
 
@@ -92,6 +96,9 @@ class ShardedDataModule(L.LightningDataModule):
     def _training_progress(self) -> tuple[int, int]:
         """(batches trained in this epoch, batches an epoch trains), for resuming mid-epoch."""
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed, self.trainer.num_training_batches
+
+    def _epoch(self) -> int:
+        return getattr(self.trainer, "current_epoch", 0)  # 0 without a trainer
 
     def inference(self) -> dict:
         """What predicting from raw images needs, saved with the weights (checkpointing/inference.py)."""

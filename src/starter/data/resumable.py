@@ -19,10 +19,17 @@ class ResumableBatches(BatchSampler):
 
 
 class ResumableLoader(DataLoader):
-    def __init__(self, *args, progress: Callable[[], tuple[int, int]], **kwargs):
-        """`progress()` gives (batches trained in this epoch, batches an epoch trains) from the trainer."""
+    def __init__(self, *args, progress: Callable[[], tuple[int, int]], epoch: Callable[[], int], **kwargs):
+        """`progress()` gives (batches trained in this epoch, batches an epoch trains), `epoch()` the epoch training
+        is in, from the trainer."""
         super().__init__(*args, **kwargs)
-        self.progress = progress
+        self.progress, self.epoch = progress, epoch
+        self.seed = self.generator.initial_seed() if self.generator is not None else 0
+
+    def __iter__(self):
+        if self.generator is not None:  # each epoch's workers seeded from the epoch: a resumed epoch's are the same
+            self.generator.manual_seed(self.seed * 1_000_003 + self.epoch())
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, int]:
         epoch, (done, per_epoch) = self.batch_sampler.sampler.epoch, self.progress()

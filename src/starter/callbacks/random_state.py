@@ -1,0 +1,86 @@
+"""The random numbers a training process draws itself (dropout, stochastic depth, augmentation in the main process,
+decoding on the device): each data-parallel rank draws its own, and a resumed run draws what the stopped one would
+have. Every rank's generators (torch's CPU and CUDA, numpy's, Python's) are saved in every checkpoint, gathered when
+it is written, and restored when training starts again at the same number of processes; at another number they start
+from the seed, said in one line. Every rank builds the model from the run's seed (fsdp and tp shard each rank's
+copy, so the copies must be equal); then ranks other than data-parallel rank 0 draw from a seed of their own, and
+data-parallel rank 0 goes on as one process would (a run of one process draws what it always drew)."""
+
+import logging
+import random
+
+import lightning as L
+import numpy as np
+import torch
+
+from starter.topology import data_parallel_place
+
+log = logging.getLogger(__name__)
+
+
+def generator_states() -> dict:
+    """This process's generators, as plain values and tensors (a checkpoint loads weights-only)."""
+    kind, words, position, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [kind, torch.from_numpy(words.astype(np.int64)), position, has_gauss, gauss],
+        "python": random.getstate(),
+    }
+
+
+def set_generator_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    kind, words, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, words.numpy().astype(np.uint32), position, has_gauss, gauss))
+    random.setstate(states["python"])
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """torch's (CPU and CUDA), numpy's and Python's generators from the run's seed and this data-parallel rank."""
+    words = np.random.SeedSequence([seed, rank]).generate_state(4)
+    torch.manual_seed(int(words[0]) << 32 | int(words[1]))
+    random.seed(int(words[2]))
+    np.random.seed(int(words[3]))
+
+
+class RandomState(L.Callback):
+    def __init__(self, seed: int):
+        self.seed, self.saved = int(seed), None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:  # the model is built; the process group is up
+        _, rank = data_parallel_place(trainer)
+        if stage == "fit" and rank > 0:
+            seed_rank(self.seed, rank)
+
+    def state_dict(self) -> dict:
+        """Every rank's generators, gathered (each rank writes the checkpoint, or rank 0 writes it for all)."""
+        mine = generator_states()
+        if trainer_world() == 1:
+            return {"ranks": [mine]}
+        ranks = [None] * trainer_world()
+        torch.distributed.all_gather_object(ranks, mine)
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.saved = state_dict.get("ranks")
+
+    def on_train_start(self, trainer, pl_module) -> None:  # after the checkpoint is restored and the sanity check
+        saved, self.saved = self.saved, None
+        if saved is None:
+            return
+        if len(saved) == trainer.world_size:
+            set_generator_states(saved[trainer.global_rank])
+        elif trainer.is_global_zero:
+            log.warning(
+                "the checkpoint holds the random generators of %d processes, this run has %d: they start from the"
+                " seed (dropout and augmentation draw other numbers than the stopped run would have)",
+                len(saved),
+                trainer.world_size,
+            )
+
+
+def trainer_world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
