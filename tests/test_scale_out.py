@@ -181,6 +181,76 @@ def test_a_journal_that_is_not_optunas_is_refused_in_one_line_before_a_trial_run
     ]
 
 
+def test_the_sweep_space_is_searched_as_hydra_defines_it_and_every_other_override_reaches_the_trials():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from hydra_plugins.optuna_journal_sweeper.sweeper import search_space
+
+    params = {"model.optimizer.lr": "tag(log, interval(0.0003, 0.01))", "model.net.width": "choice(64, 128)"}
+    arguments = ["model.net.depth=range(1, 11, 3)", "model.net.dropout=range(0.1, 1.0, 0.2)",
+                 "trainer.max_epochs=tag(int, interval(1, 10))", "seed=range(10, 0, -2)", "model.net.width=64",
+                 "~callbacks.early_stopping", "+trainer.deterministic=true"]  # fmt: skip
+    searched, fixed = search_space(params, arguments)
+    assert searched == {
+        "model.optimizer.lr": FloatDistribution(0.0003, 0.01, log=True),
+        "model.net.depth": IntDistribution(1, 10, step=3),  # range's stop excluded: 1, 4, 7, 10
+        "model.net.dropout": FloatDistribution(0.1, 0.9, step=0.2),
+        "trainer.max_epochs": IntDistribution(1, 10),
+        "seed": IntDistribution(2, 10, step=2),
+    }
+    assert not isinstance(searched.get("model.net.width"), CategoricalDistribution)  # the command line's 64 wins
+    assert fixed == ["model.net.width=64", "~callbacks.early_stopping", "+trainer.deterministic=true"]
+
+
+@pytest.mark.parametrize(
+    "spec,said",
+    [
+        ("tag(float, interval(1, 2))", "x: tag float means nothing to the sweeper; tags are log and int"),
+        ("tag(int, interval(1.5, 4))", "x: tag(int, interval(1.5, 4)) needs whole-number ends"),
+        ("tag(log, choice(1, 2))", "x: choice() takes no tag (log); tag an interval() or range()"),
+    ],
+)
+def test_a_sweep_space_the_sweeper_cannot_search_is_one_line(spec, said, capsys):
+    from hydra_plugins.optuna_journal_sweeper.sweeper import search_space
+
+    with pytest.raises(SystemExit) as stop:
+        search_space({}, [f"x={spec}"])
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: {said}\n"
+
+
+def test_a_continued_journal_counts_its_complete_pruned_and_failed_trials(tmp_path):
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from hydra_plugins.optuna_journal_sweeper.sweeper import open_storage
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    study = optuna.create_study(study_name="sweep", storage=open_storage(f"journal:{sweep / 'optuna.journal'}"),
+                                direction="maximize")  # fmt: skip
+    space = {"model.optimizer.lr": FloatDistribution(0.0003, 0.01, log=True)}
+    for state, value in ((TrialState.COMPLETE, 0.5), (TrialState.PRUNED, None), (TrialState.FAIL, None)):
+        study.add_trial(
+            create_trial(state=state, value=value, params={"model.optimizer.lr": 0.001}, distributions=space)
+        )
+    train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["3"]  # one more trial, numbered after them
+    assert OmegaConf.load(sweep / "optimization_results.yaml").trials == 4
+
+
+def test_the_sweep_table_marks_the_best_job_that_ran_to_the_end_not_a_pruned_one(tmp_path):
+    from starter.loggers.sweep_summary import summary_rows
+
+    # a pruned trial stopped early, its figure not comparable: job 1's 0.99 is no answer
+    for job, value in enumerate([0.9, 0.99, 0.95]):
+        (tmp_path / str(job)).mkdir()
+        OmegaConf.save({"monitor": "val/acc", "monitor_mode": "max"}, tmp_path / str(job) / "config.yaml")
+        (tmp_path / str(job) / "metrics.json").write_text(f'{{"val/acc": {value}}}')
+    assert [row["best"] for row in summary_rows(tmp_path, pruned={1})] == [False, False, True]
+    assert [row["best"] for row in summary_rows(tmp_path)] == [False, True, False]
+
+
 def test_an_optuna_trial_that_falls_behind_is_pruned_after_its_validation(tmp_path):
     # a pruner that prunes every figure below 2 (val/acc never is): the trial stops after its first epoch
     prune = ["hydra.sweeper.n_trials=1", "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",

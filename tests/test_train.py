@@ -240,6 +240,13 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
     [
         ("train.py", ["strategy=fdsp"], "strategy=fdsp: no such option; choose one of auto, ddp, ddp_spawn, dp, fsdp,"),
         ("train.py", ["-m", "seed=1,2", "model=mlp,cnn,mpl"], "model=mpl: no such option; choose one of cnn, mlp,"),
+        ("train.py", ["-m", "model=mpl", "seed=1,2"], "model=mpl: no such option; choose one of cnn, mlp,"),
+        # --config-dir=DIR (Hydra's = form) is searched, and the overrides after it are read
+        (
+            "train.py",
+            [f"--config-dir={ROOT / 'tests' / 'foreign' / 'conf'}", "trainer.max_epochs=1", "data=dict_digit"],
+            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, shards, synthetic,",
+        ),
         ("predict.py", ["strategy=dpp", "inputs=x"], "strategy=dpp: no such option; choose one of auto, ddp,"),
         # a config folder of one's own adds its options (tests/foreign/conf: data=dict_digits, ...)
         (
@@ -256,6 +263,14 @@ def test_an_unknown_group_option_is_one_line_exit_2_and_no_run_directory(script,
     (said,) = proc.stderr.splitlines()
     assert said.startswith(f"error: {line}")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing made: no logs/, no outputs/
+
+
+@pytest.mark.parametrize("flag", [["--config-dir=DIR"], ["--config-dir", "DIR"], ["-cd", "DIR"]])
+def test_an_option_of_a_config_dir_given_either_way_hydra_reads_it_is_no_error(flag):
+    from starter.config_choices import check_choices
+
+    folder = str(ROOT / "tests" / "foreign" / "conf")
+    check_choices(ROOT / "conf", "train", [f.replace("DIR", folder) for f in flag] + ["seed=1", "data=dict_digits"])
 
 
 def test_metrics_json_is_flat_json(default_run):

@@ -14,15 +14,18 @@ from starter.errors import USER_ERROR_EXIT_CODE, UserError
 
 def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
     """Exit 2 with one line on stderr where an override names an option that no config folder holds."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own reading of the command line (hydra-core < 1.4)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    args = [a for a in argv if not a.startswith("-") and "=" in a and not _flag_value(argv, a)]
+    command, unknown = get_args_parser().parse_known_args(argv)
+    if unknown:
+        return  # Hydra refuses the command line and says why
     try:
-        overrides = OverridesParser.create().parse_overrides(args)
+        overrides = OverridesParser.create().parse_overrides(command.overrides)
     except HydraException:
         return  # Hydra says what is wrong with the syntax
-    folders = config_folders(conf, config_name, argv, overrides)
+    folders = config_folders(conf, command.config_name or config_name, command.config_dir, overrides)
     for override in overrides:
         group = override.key_or_group
         if override.is_delete() or group.startswith("hydra") or not any((f / group).is_dir() for f in folders):
@@ -34,8 +37,8 @@ def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
                 raise SystemExit(USER_ERROR_EXIT_CODE)
 
 
-def config_folders(conf: Path, config_name: str, argv: list[str], overrides) -> list:
-    folders = [conf] + [Path(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--config-dir", "-cd")]
+def config_folders(conf: Path, config_name: str, config_dir: str | None, overrides) -> list:
+    folders = [conf] + ([Path(config_dir)] if config_dir else [])
     paths = [str(p) for o in overrides if o.key_or_group == "hydra.searchpath" for p in o.value()]
     for primary in (conf / f"{config_name}.yaml", conf / "hydra" / "default.yaml"):
         saved = OmegaConf.load(primary) if primary.is_file() else {}
@@ -52,12 +55,6 @@ def source_folder(spec: str):
         except ModuleNotFoundError:
             return None
     return Path(spec.removeprefix("file://"))
-
-
-def _flag_value(argv: list[str], arg: str) -> bool:
-    """Whether `arg` is the value of a flag (`--config-name NAME`, `-cd DIR`), not an override."""
-    index = argv.index(arg)
-    return index > 0 and argv[index - 1].startswith("-") and argv[index - 1] not in ("-m", "--multirun")
 
 
 def check_given(cfg) -> None:

@@ -22,13 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from starter.errors import USER_ERROR_EXIT_CODE
 
 JOURNAL = "optuna.journal"
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards n_trials, in a sweep or one continued
 
 
 @dataclass
 class OptunaJournalSweeperConf:
     _target_: str = "hydra_plugins.optuna_journal_sweeper.sweeper.OptunaJournalSweeper"
     direction: str = "maximize"  # or minimize
-    n_trials: int = 10  # finished trials (complete or pruned) the study should hold
+    n_trials: int = 10  # finished trials (complete, pruned or failed) the study should hold
     n_jobs: int = 1  # trials launched at once (a batch; the launcher runs them in parallel where it can)
     study_name: str = "sweep"
     storage: Any = None  # an Optuna storage URL; null: a journal file in the sweep directory
@@ -67,10 +68,8 @@ class OptunaJournalSweeper(Sweeper):
                                     load_if_exists=True)  # fmt: skip
         if study.trials:  # a seeded sampler would draw its first points again: the study goes on from new ones
             study.sampler.reseed_rng()
-        searched, fixed = search_space({**self.params, **dict(a.split("=", 1) for a in arguments if "=" in a)})
-        done = [
-            t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        ]
+        searched, fixed = search_space(self.params, arguments)
+        done = [t for t in study.trials if t.state.name in FINISHED]  # those of an earlier sweep of this journal too
         while len(done) < self.n_trials:
             batch = [study.ask(searched) for _ in range(min(self.n_jobs, self.n_trials - len(done)))]
             overrides = [[*fixed, *(f"{k}={v}" for k, v in t.params.items()), *self.told(t, storage)] for t in batch]
@@ -126,32 +125,61 @@ def check_journal(path: Path) -> None:
                 known = False
             if not known and line.strip():
                 instead = "continue a sweep from the journal a sweep wrote, or give another hydra.sweep.dir"
-                print(f"error: {path}: line {number} is no Optuna journal operation; {instead}", file=sys.stderr)
-                raise SystemExit(USER_ERROR_EXIT_CODE)
+                refuse(f"{path}: line {number} is no Optuna journal operation; {instead}")
 
 
-def search_space(params: dict) -> tuple[dict, list[str]]:
-    """(Optuna distributions of the swept keys, the plain overrides of the others) from Hydra's sweep syntax."""
+def search_space(params: dict, arguments: list[str]) -> tuple[dict, list[str]]:
+    """(Optuna distributions of the swept keys, the overrides passed to every trial as they are) from the sweeper's
+    `params` and the command line's overrides, in Hydra's sweep syntax: `choice(...)`, `range(start, stop[, step])`
+    (stop excluded, as Hydra's own sweeps take it: every point it gives is reachable), `interval(a, b)` (floats),
+    `tag(int, interval(a, b))`, `tag(log, ...)`. An override of the command line replaces a `params` key of its
+    name; every other one (`~key`, `+key=value`, `key=value`) reaches every trial."""
+    parser = OverridesParser.create()
+    given = parser.parse_overrides(arguments)
+    named = {override.key_or_group for override in given}
+    configured = [f"{key}={spec}" for key, spec in params.items() if key not in named]
+    searched, fixed = {}, []
+    for override in [*parser.parse_overrides(configured), *given]:
+        if override.is_sweep_override():
+            searched[override.key_or_group] = distribution(override)
+        else:
+            fixed.append(override.input_line)
+    return searched, fixed
+
+
+def distribution(override):
+    """The Optuna distribution of one swept key (search_space)."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    parser, searched, fixed = OverridesParser.create(), {}, []
-    for key, spec in params.items():
-        (override,) = parser.parse_overrides([f"{key}={spec}"])
-        value = override.value()
-        log = "log" in getattr(value, "tags", set())
-        if isinstance(value, ChoiceSweep):
-            searched[key] = CategoricalDistribution(list(value.list))
-        elif isinstance(value, IntervalSweep):
-            ints = all(isinstance(v, int) for v in (value.start, value.end))
-            kind = IntDistribution if ints else FloatDistribution
-            searched[key] = kind(value.start, value.end, log=log)
-        elif isinstance(value, RangeSweep):
-            ints = all(isinstance(v, int) for v in (value.start, value.stop, value.step))
-            kind = IntDistribution if ints else FloatDistribution
-            searched[key] = kind(value.start, value.stop - value.step, step=value.step)
-        else:
-            fixed.append(f"{key}={spec}")
-    return searched, fixed
+    key, value = override.key_or_group, override.value()
+    tags = set(getattr(value, "tags", None) or ())
+    if unknown := tags - {"log", "int"}:
+        refuse(f"{key}: tag {', '.join(sorted(unknown))} means nothing to the sweeper; tags are log and int")
+    if isinstance(value, ChoiceSweep):
+        if tags:
+            refuse(f"{key}: choice() takes no tag ({', '.join(sorted(tags))}); tag an interval() or range()")
+        return CategoricalDistribution(list(value.list))
+    if isinstance(value, RangeSweep):
+        points = list(override.sweep_iterator())
+        if not points:
+            refuse(f"{key}={override.get_value_element_as_str()}: the range holds no point")
+        ints = all(isinstance(v, int) for v in (value.start, value.stop, value.step))
+        low, high, step = min(points), max(points), abs(value.step)
+        kind = IntDistribution if ints or "int" in tags else FloatDistribution
+        return kind(low, high, step=step) if "log" not in tags else kind(low, high, log=True)
+    if isinstance(value, IntervalSweep):
+        if "int" not in tags:
+            return FloatDistribution(value.start, value.end, log="log" in tags)
+        if not all(float(v).is_integer() for v in (value.start, value.end)):
+            refuse(f"{key}: tag(int, interval({value.start:g}, {value.end:g})) needs whole-number ends")
+        return IntDistribution(int(value.start), int(value.end), log="log" in tags)
+    refuse(f"{key}={override.get_value_element_as_str()}: the sweeper searches choice(), range() and interval()")
+
+
+def refuse(line: str):
+    """A sweep the sweeper cannot run as given: one line, exit 2, before any trial."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    raise SystemExit(USER_ERROR_EXIT_CODE)
 
 
 def write_results(study, path: Path) -> None:
