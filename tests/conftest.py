@@ -68,13 +68,13 @@ def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
 
 def wait_for_beat(port: int, rank: int, run_id: str | None = None, torchrun: bool = False) -> None:
     """Until `rank`'s watchdog has beaten in the run's store: at MASTER_PORT (srun's tasks; torch's agent that
-    train.py starts: under its run id, the run's name), or under torchrun (its run id) on the port rank 0 published in
+    train.py starts: under its run id), or under torchrun (its run id) on the port rank 0 published in
     torchrun's agent store there. The first attempt's."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    from starter.launch.watchdog import KEY
+    from starter.topology import STORE_KEY as KEY
 
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     prefix = KEY if run_id is None else f"{KEY}/{run_id}/0"

@@ -57,16 +57,21 @@ def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_of_our_launcher_exit_0_into_one_run_directory_like_one_process(reference_weights, tmp_path):
+def test_two_nodes_of_two_processes_each_train_as_one_process_whatever_their_run_directories(
+    reference_weights, tmp_path
+):
     import os
 
+    # each node's run directory its own (hydra.run.dir, as a job script on nodes without a shared disk pins it): the
+    # nodes meet by what both are given (MASTER_ADDR, MASTER_PORT), not by a name each makes
     port = free_port()
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS,
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "num_nodes=2", *MLP_20_STEPS,
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
-    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)]
-    start_all([(command, env) for env in envs], tmp_path)  # node 1 first: it waits for node 0's store
-    (run_dir,) = run_dirs(tmp_path)  # node 0 named the run and told node 1
+    envs = {n: dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)}
+    start_all([([*command, f"hydra.run.dir={tmp_path / f'node{n}'}"], env) for n, env in envs.items()], tmp_path)
+    run_dir = tmp_path / "node0"  # rank 0's node keeps the run's outputs
     assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
+    assert not (tmp_path / "node1" / "checkpoints").exists()
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # float summation order only
 
 
@@ -254,15 +259,16 @@ def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_th
 
 def test_a_node_that_never_starts_is_one_line_naming_it_after_the_wait_and_one_that_failed_is_its_line():
     from starter.launch.agent import WorkerFailed, _all_nodes_here
-    from starter.launch.watchdog import key_prefix, report, serve_store
+    from starter.launch.watchdog import report, serve_store
+    from starter.topology import key_prefix
 
     store, prefix = serve_store("127.0.0.1"), key_prefix("run")
     with pytest.raises(WorkerFailed) as missing:  # node 0 waits for nodes 1 and 2 of 3; neither comes
-        _all_nodes_here(store, prefix, nodes=3, node=0, wait_s=1)
+        _all_nodes_here(store, prefix, nodes=3, node=0, wait_s=1, config="{}")
     said = "nodes 1, 2 have not started within 1 s; start train.py on every node with the same MASTER_ADDR and"
     assert (missing.value.exit_code, missing.value.message) == (124, f"{said} MASTER_PORT")
     report(store, 2, "node 2: no directory images/train", node=2, prefix=prefix)
     with pytest.raises(WorkerFailed) as failed:  # node 1 reads node 2's failure before it launches
-        _all_nodes_here(store, prefix, nodes=3, node=1, wait_s=60)
+        _all_nodes_here(store, prefix, nodes=3, node=1, wait_s=60, config="{}")
     found = failed.value
     assert (found.message, found.exit_code, found.node) == ("node 2: no directory images/train", 2, 2)

@@ -497,21 +497,52 @@ def exits(procs: list[Popen], timeout: float = 120, said=("error:",)) -> tuple[l
 
 def node_1_without_the_data(tmp_path: Path, *data: str) -> tuple[list[int], list[float], list[str]]:
     """Two nodes on localhost training with `data`, which is on node 0's disk (its working directory holds it) and
-    not on node 1's: how each exits (exits())."""
+    not on node 1's, each its own run directory: how each exits (exits())."""
     (tmp_path / "node1").mkdir()
     port = free_port()
-    return exits([start_node(tmp_path, n, port, *data, cwd=tmp_path / "node1" if n else tmp_path) for n in (0, 1)])
+    nodes = [
+        start_node(
+            tmp_path,
+            n,
+            port,
+            *data,
+            f"hydra.run.dir={tmp_path / f'run{n}'}",
+            cwd=tmp_path / f"node{n}" if n else tmp_path,
+        )
+        for n in (0, 1)
+    ]
+    return exits(nodes)
+
+
+def test_nodes_started_with_other_configs_are_told_so_in_one_line_within_seconds(tmp_path):
+    port = free_port()
+    nodes = [start_node(tmp_path, n, port, "debug=limit", *(["model.net.width=64"] if n else [])) for n in (0, 1)]
+    codes, ended, lines = exits(nodes, timeout=60)
+    said = "error: node 1 runs another config than node 0: model.net.width=64 (node 0: 256); start every node"
+    assert codes == [2, 2] and len(lines) == 2 and all(line.startswith(said) for line in lines), (codes, lines)
+    assert abs(ended[0] - ended[1]) < 5
+
+
+def test_a_node_that_never_comes_is_named_in_one_line_after_nodes_wait_s(tmp_path):
+    started = time.monotonic()
+    codes, ended, lines = exits([start_node(tmp_path, 0, free_port(), "nodes_wait_s=3")], timeout=60)
+    assert codes == [124] and lines == [
+        "error: node 1 has not started within 3 s; start train.py on every node with the same MASTER_ADDR and"
+        " MASTER_PORT"
+    ]
+    assert ended[0] - started < 30
 
 
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
-    # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's rank meets it
-    # in setup, while node 0's rank waits for it in a collective.
-    data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20"]
+    # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's ranks (2 and 3
+    # of two processes a node) meet it in setup, while node 0's wait for them in a collective.
+    data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20",
+            "devices=2"]  # fmt: skip
     codes, ended, lines = node_1_without_the_data(tmp_path, *data)
     assert codes == [2, 2] and max(ended) - min(ended) < 60, (codes, ended)
-    # said once on each node: by the rank that met it, and by node 0's launcher, which read it from the run's store
-    said = "error: rank 1 (node 1): MNIST not found in data/MNIST/raw and data.download=false"
-    assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
+    # said once on each node: by the rank that met it first, and by node 0's launcher, which read it from the store
+    said = r"error: rank [23] \(node 1\): MNIST not found in data/MNIST/raw and data.download=false"
+    assert len(lines) == 2 and lines[0] == lines[1] and re.match(said, lines[0]), lines
 
 
 # full examples: begin
@@ -528,7 +559,7 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
     data = ["data=imagenet", "data.root=images", "data.image_shape=[3,8,8]", "data.batch_size=4"]
     codes, ended, lines = node_1_without_the_data(tmp_path, *data)
     # not after node 1's ranks' heartbeat timeout (120 s), nor lingering for a node that knows (node 1 wrote it):
-    # node 0 ends within 15 s of node 1, its launch included
+    # node 0 ends within 15 s of node 1, its launch included; each node with its own run directory
     assert codes == [2, 2] and ended[0] - ended[1] < 15, (codes, ended)
     said = "error: node 1: no directory images/train: data.num_classes is read from its class folders"
     assert len(lines) == 2 and all(line.startswith(said) for line in lines), lines
@@ -549,12 +580,13 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
                  MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                  text=True) for rank in (0, 1)]  # fmt: skip
         stopped, node = procs[1].pid, 0
-    else:
-        procs, node = [start_node(tmp_path, n, port, *long) for n in (0, 1)], 1
-    last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    run_id = None if launched_by == "srun" else last.parents[1].name  # torch's agent's: the run's name
-    wait_for_beat(port, rank=1, run_id=run_id)  # a rank that never beat would get the startup allowance (60 s)
-    victim = stopped if launched_by != "train.py on two nodes" else worker_of_rank(procs[1], 1)
+    else:  # two processes a node: ranks 2 and 3 on node 1
+        procs, node = [start_node(tmp_path, n, port, "devices=2", *long) for n in (0, 1)], 1
+    wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+    victim_rank = 1 if launched_by == "srun" else 3
+    run_id = None if launched_by == "srun" else "nodes-0"  # torch's agent's: what every node is given alike
+    wait_for_beat(port, rank=victim_rank, run_id=run_id)  # a rank that never beat gets the startup allowance (60 s)
+    victim = stopped if launched_by != "train.py on two nodes" else worker_of_rank(procs[1], victim_rank)
     os.kill(victim, signal.Signals[fault])
     stopped_at = time.monotonic()
     codes, ended, lines = exits(procs, timeout=60)
@@ -562,9 +594,9 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     expected = {"srun": [124, -9]}.get(launched_by, [124, 124])
     assert codes == expected and max(ended) - stopped_at < 6 + 14, (codes, max(ended) - stopped_at, lines)
     assert gone(victim)
-    said = f"error: rank 1 (node {node}) has not answered for 6 s (killed, stopped, or its node lost); every process of"
+    said = f"error: rank {victim_rank} (node {node}) has not answered for 6 s (killed, stopped, or its node lost)"
     # once by rank 0, which found it; on two nodes node 1's launcher says it too (read from the run's store)
-    assert lines == [f"{said} the run stops"] * (2 if launched_by == "train.py on two nodes" else 1)
+    assert lines == [f"{said}; every process of the run stops"] * (2 if launched_by == "train.py on two nodes" else 1)
 
 
 def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):

@@ -73,3 +73,10 @@ def unset(node, prefix: str = "") -> list[str]:
         elif not OmegaConf.is_interpolation(node, key) and OmegaConf.is_config(child := node[key]):
             found += unset(child, f"{prefix}{key}.")
     return found
+
+
+def leaves(node, prefix: str = "") -> dict:
+    """{"net.width": 64, ...}: the values of a nested mapping by their dotted keys."""
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    return {key: value for name, child in node.items() for key, value in leaves(child, f"{prefix}{name}.").items()}

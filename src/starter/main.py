@@ -80,11 +80,17 @@ def _interrupted(cfg: DictConfig) -> None:
 def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
     """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
     workers read it: they leave with `code`, saying it."""
-    from starter.launch.agent import node_store
+    from starter.launch.agent import join_nodes, node_store
     from starter.launch.watchdog import linger_s, report
 
-    report(node_store(), code, line, _node_rank(), key_prefix(run_id(cfg)), say=say)  # under the workers' keys
-    if _node_rank() == 0 and node_store() is not None:
+    store, address, port = node_store(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if store is None and address and port:  # failed before it joined the others: joins to tell them
+        try:
+            store = join_nodes(address, int(port), serve=_node_rank() == 0, timeout_s=float(cfg.nodes_wait_s))
+        except Exception:
+            store = None  # node 0 never came: said here only
+    report(store, code, line, _node_rank(), key_prefix(run_id(cfg)), say=say)  # under the workers' keys
+    if _node_rank() == 0 and store is not None:
         time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
 
 
@@ -142,7 +148,7 @@ def job_function(job: str) -> Callable[[DictConfig], dict]:
 
 def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict:
     """One worker per device of this node, started by torch's elastic agent; rank 0 writes the run's outputs."""
-    from starter.launch.agent import WorkerFailed, start_workers
+    from starter.launch.agent import WorkerFailed, meeting_config, start_workers
     from starter.launch.watchdog import linger_s
 
     try:
@@ -156,6 +162,8 @@ def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict
             stop_signals=list(cfg.stop_signals),
             grace_s=float(cfg.stop_grace_s),
             linger_s=linger_s(cfg.heartbeat_timeout_s),
+            wait_s=float(cfg.nodes_wait_s),
+            meeting=meeting_config(cfg),
         )
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
@@ -166,8 +174,14 @@ def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict
 
 
 def run_id(cfg: DictConfig) -> str:
-    """The agent's run id: the run directory's name, which every node's job shares (run_name.py)."""
-    return Path(cfg.paths.output_dir).name
+    """The agent's run id, the same in every node's job: what each node is given alike (the scheduler's job id, the
+    job's number in a sweep), never a name a node makes (its run directory may be its own, `hydra.run.dir=`). The
+    store at MASTER_ADDR:MASTER_PORT is the run's own, so nothing else need tell it apart. One node: its run
+    directory's name."""
+    if int(cfg.num_nodes) == 1:
+        return Path(cfg.paths.output_dir).name
+    job = OmegaConf.select(HydraConfig.get(), "job.num", default=0) if HydraConfig.initialized() else 0
+    return f"{os.environ.get('SLURM_JOB_ID', 'nodes')}-{job}"
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:

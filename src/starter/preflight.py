@@ -88,7 +88,7 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
         raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
                         " SIGUSR1, SIGUSR2")  # fmt: skip
-    for key in ("heartbeat_timeout_s", "stall_timeout_s", "stop_grace_s"):
+    for key in ("heartbeat_timeout_s", "stall_timeout_s", "stop_grace_s", "nodes_wait_s"):
         if not float(cfg[key]) > 0:
             raise UserError(f"{key}={cfg[key]}: give seconds above 0")
     if "seed" in cfg:

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from starter.checkpointing.record import interpolations
+from starter.config_choices import leaves
 from starter.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -97,19 +98,12 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
         raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {first_line(err)}") from err
     if mismatch := weights_mismatch(model.state_dict(), saved):
         run = saved_config(path)
-        theirs = _leaves(OmegaConf.to_container(run.model)) if run and "model" in run else {}
-        mine = _leaves(OmegaConf.to_container(model_cfg, resolve=True))
+        theirs = leaves(OmegaConf.to_container(run.model)) if run and "model" in run else {}
+        mine = leaves(OmegaConf.to_container(model_cfg, resolve=True))
         differ = [f"model.{key}={value}" for key, value in theirs.items() if mine.get(key) != value]
         differ = " ".join(differ[:5] + (["..."] if len(differ) > 5 else []))
         raise UserError(f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
                         f" the run that saved it{': ' + differ if differ else ''}")  # fmt: skip
-
-
-def _leaves(node, prefix: str = "") -> dict:
-    """{"net.width": 64, ...}: the values of a nested config by their dotted keys."""
-    if not isinstance(node, dict):
-        return {prefix.rstrip("."): node}
-    return {key: value for name, child in node.items() for key, value in _leaves(child, f"{prefix}{name}.").items()}
 
 
 def weights_mismatch(expected: dict, found: dict) -> str | None:

@@ -13,7 +13,9 @@ workers, and a stopped worker is killed rather than waited for. Details: docs/mo
 """
 
 import atexit
+import hashlib
 import importlib
+import json
 import logging
 import multiprocessing
 import os
@@ -26,7 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from starter.callbacks.stop_agreement import saved_step
-from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, catch_ctrl_c
+from starter.config_choices import leaves
+from starter.errors import LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, catch_ctrl_c
 from starter.launch.fork_server import SERVER_IGNORES, fork_server
 from starter.launch.watchdog import failure, process_state, report, where
 from starter.topology import Layout, key_prefix
@@ -44,7 +47,7 @@ class WorkerFailed(Exception):
         self.message, self.exit_code, self.node = message, exit_code, node
 
 
-def join_nodes(address: str, port: int, serve: bool):
+def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
     """The store at address:port (0: a free port) that the agent's rendezvous, the workers and the nodes' jobs share;
     node 0's job serves it. `multi_tenant`: the agent's rendezvous in this process serves through it, found by its
     port in torch's cache of servers. Never port 0: that cache keeps the entry of an ended store (an earlier job of a
@@ -53,7 +56,12 @@ def join_nodes(address: str, port: int, serve: bool):
     global _node_store
     from torch.distributed import DistNetworkError, TCPStore
 
-    options = {"is_master": serve, "wait_for_workers": False, "multi_tenant": True, "timeout": timedelta(seconds=300)}
+    options = {
+        "is_master": serve,
+        "wait_for_workers": False,
+        "multi_tenant": True,
+        "timeout": timedelta(seconds=timeout_s),
+    }
     for attempt in range(5):
         try:
             _node_store = TCPStore(address, port or free_port(address), **options)
@@ -85,8 +93,10 @@ def start_workers(
     grace_s: float = 10.0,
     linger_s: float = 0.0,
     wait_s: float = 300.0,
+    meeting: str = "",
 ) -> None:
-    """Runs `job` ("module:function") with the config at `config_path` in one worker per device of this node."""
+    """Runs `job` ("module:function") with the config at `config_path` in one worker per device of this node.
+    `meeting`: what this node's config must agree on with node 0's (meeting_config)."""
     devices, node = layout.processes_per_node, int(os.environ.get("NODE_RANK", 0))
     # OMP_NUM_THREADS as torchrun's: the cores shared out, not every worker running a thread per core of the machine
     threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // devices)))
@@ -105,7 +115,7 @@ def start_workers(
     port = int(os.environ.get("MASTER_PORT") or 0)
     store = (layout.nodes > 1 and node_store()) or join_nodes(address, port, serve=node == 0)
     prefix = key_prefix(run_id)
-    _all_nodes_here(store, prefix, layout.nodes, node, wait_s)
+    _all_nodes_here(store, prefix, layout.nodes, node, wait_s, meeting)
     config = LaunchConfig(
         min_nodes=layout.nodes,
         max_nodes=layout.nodes,
@@ -149,22 +159,57 @@ def stopped_line(name: str, store, prefix: str, grace_s: float) -> str:
     )
 
 
-def _all_nodes_here(store, prefix: str, nodes: int, node: int, wait_s: float) -> None:
-    """Until every node's job is ready to launch; raises where another node failed before (it said why: said here too)
-    or has not come within `wait_s` (the agent's rendezvous would wait for it far longer, in a call nothing ends)."""
-    store.set(f"{prefix}/ready/{node}", "")
+def _all_nodes_here(store, prefix: str, nodes: int, node: int, wait_s: float, config: str) -> None:
+    """Until every node's job is ready to launch with the config node 0's has (`config`: meeting_config); raises
+    where another node failed before (it said why: said here too), has not come within `wait_s` (the agent's
+    rendezvous would wait for it far longer, in a call nothing ends), or runs another config (every node says which)."""
+    store.set(f"{prefix}/config/{node}", config)
+    store.set(f"{prefix}/ready/{node}", hashlib.sha256(config.encode()).hexdigest())
     deadline = time.monotonic() + wait_s
     while True:
         if found := failure(store, prefix):
             raise WorkerFailed(found[1], found[0], node=found[2])
         missing = [n for n in range(nodes) if not store.check([f"{prefix}/ready/{n}"])]
         if not missing:
-            return
+            break
         if time.monotonic() > deadline:
             who = f"nodes {', '.join(map(str, missing))} have" if len(missing) > 1 else f"node {missing[0]} has"
             line = f"{who} not started within {wait_s:.0f} s; start train.py on every node with the same MASTER_ADDR"
             raise WorkerFailed(f"{line} and MASTER_PORT", LOST_EXIT_CODE)
         time.sleep(0.2)
+    fingerprints = [store.get(f"{prefix}/ready/{n}") for n in range(nodes)]
+    other = next((n for n in range(1, nodes) if fingerprints[n] != fingerprints[0]), None)
+    if other is None:
+        return
+    line = disagreement(other, *(json.loads(store.get(f"{prefix}/config/{n}")) for n in (other, 0)))
+    store.set(f"{prefix}/told/{node}", "")
+    while node == 0 and time.monotonic() < deadline and not store.check([f"{prefix}/told/{n}" for n in range(nodes)]):
+        time.sleep(0.2)  # this job serves the store: until every node has read what it says
+    raise WorkerFailed(line, USER_ERROR_EXIT_CODE, node=other)
+
+
+NODE_OWN = ("paths", "log_file", "ckpt_path")  # keys a node may set for itself: its directories, its run's resume
+
+
+def meeting_config(cfg) -> str:
+    """What every node's job must agree on: its config as composed, not resolved (a value may name the node's own
+    directory), but the keys each node may set for itself."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=False)
+    return json.dumps({key: value for key, value in config.items() if key not in NODE_OWN}, sort_keys=True)
+
+
+def disagreement(node: int, theirs: dict, ours: dict) -> str:
+    """One line: how node `node`'s config differs from node 0's (a few keys)."""
+    mine, first = leaves(theirs), leaves(ours)
+    differing = sorted(key for key in mine.keys() | first.keys() if mine.get(key, "-") != first.get(key, "-"))
+    shown = ", ".join(f"{key}={mine.get(key, '(none)')} (node 0: {first.get(key, '(none)')})" for key in differing[:3])
+    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    return (
+        f"node {node} runs another config than node 0: {shown}{more}; start every node with the same command and"
+        " overrides (NODE_RANK apart), or give another run its own MASTER_PORT"
+    )
 
 
 class Oversight:
