@@ -257,6 +257,28 @@ def test_a_set_naming_a_chunk_outside_its_directory_is_refused(digit_shards, tmp
     )
 
 
+def shifted_record(index: int) -> dict:
+    """Record `index` of a set out of order: it holds sample index + 1's image and label, and says so."""
+    import torch
+
+    return {"index": (index + 1) % 8, "image": torch.zeros(4, dtype=torch.uint8), "label": 0}
+
+
+def test_a_set_whose_records_are_out_of_order_is_refused_naming_the_record(digit_shards, tmp_path):
+    from litdata import optimize
+
+    out = tmp_path / "shifted"
+    for split in ("train", "val", "test"):
+        optimize(fn=shifted_record, inputs=list(range(8)), output_dir=str(out / split), chunk_bytes="1MB",
+                 num_workers=1, verbose=False)  # fmt: skip
+    described = json.loads((digit_shards / "shards.json").read_text())
+    (out / "shards.json").write_text(json.dumps({**described, "splits": {"train": 8, "val": 8, "test": 8}}))
+    proc = train(tmp_path, *SHARDS, f"data.source={out}", "data.batch_size=8", "debug=fdr", expect_ok=False)
+    assert proc.returncode == 2
+    assert re.search(rf"error: {out}/(train|val): record \d+ holds sample \d+; the shard set is out of order",
+                     proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]  # fmt: skip
+
+
 def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards, tmp_path):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(digit_shards), str(broken)], check=True)
@@ -370,6 +392,26 @@ def test_a_set_on_a_store_holding_pickled_records_is_refused_as_read_before_and_
     fetcher = get_downloader("s3://shards/planted/train", str(tmp_path / "cache"), [])
     with pytest.raises(UserError, match="^s3://shards/planted/train/index.json: refused, its records are"):
         fetcher.download_file("s3://shards/planted/train/index.json", str(tmp_path / "cache" / "index.json"))
+
+
+def test_a_chunk_gone_from_the_cache_is_fetched_again(s3, tmp_path, monkeypatch):
+    from starter.data.shard_records import ShardRecords
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    class GoneFromTheCache:
+        def __getitem__(self, index):  # litdata's reader where a chunk it counts as cached is not there
+            raise FileNotFoundError(f"{chunk}: no such file")
+
+    records = ShardRecords("s3://shards/digits/train", 1257, "L", cache_dir=str(tmp_path / "cache"))
+    first = records[0]
+    (chunk,) = [p for p in (tmp_path / "cache").rglob("chunk-*.bin")]  # records 0.. are in the first chunk fetched
+    chunk.unlink()  # evicted by a capped cache, or its download failed...
+    records._records = GoneFromTheCache()  # ...while the reader still counts it in the cache
+    before = s3.gets("digits/train")
+    again = records[0]  # a reader of its own fetches it again
+    assert torch.equal(again[0], first[0]) and again[1] == first[1]
+    assert sum(n for name, n in (s3.gets("digits/train") - before).items() if name == chunk.name) == 1
 
 
 def test_a_missing_bucket_wrong_credentials_or_an_unreachable_store_is_one_line_naming_the_source(s3, tmp_path):
