@@ -218,6 +218,63 @@ def asked(key: str) -> str:
     return f"error: {key}: no value given; set {key}=... on the command line\n"
 
 
+# Values users mistype, across the groups: each one line on stderr naming the key, exit 2, no traceback. Checked before
+# the run starts (conf's types and ranges: starter/config_schema.py), so no run directory is left...
+REFUSED_BEFORE_THE_RUN = [
+    ("data.num_workers=-1", "data.num_workers=-1: give a whole number of 0 or more"),
+    ("data.batch_size=abc", "data.batch_size=abc: give a whole number of 1 or more"),
+    ("data=mnist data.download=maybe", "data.download=maybe: give true or false"),
+    ("model.optimizer.lr=-1", "model.optimizer.lr=-1: give a number above 0"),
+    ("model.optimizer.weight_decay=-0.1", "model.optimizer.weight_decay=-0.1: give a number of 0 or more"),
+    ("model.net.width=abc", "model.net.width=abc: give a whole number of 1 or more"),
+    ("model.net.depth=0", "model.net.depth=0: give a whole number of 1 or more"),
+    ("model.net.dropout=1.5", "model.net.dropout=1.5: give a number from 0 to 1"),
+    ("model.label_smoothing=2", "model.label_smoothing=2: give a number from 0 to 1"),
+    ("model.lr_warmup_epochs=-1", "model.lr_warmup_epochs=-1: give a whole number of 0 or more"),
+    ("trainer.max_epochs=abc", "trainer.max_epochs=abc: give a whole number of -1 or more"),
+    ("+trainer.max_steps=1.5", "trainer.max_steps=1.5: give a whole number of -1 or more"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0: give a whole number of 1 or more"),
+    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: give a number above 0"),
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1: give a number of 0 or more"),
+    ("+trainer.num_sanity_val_steps=-2", "trainer.num_sanity_val_steps=-2: give a whole number of -1 or more"),
+    ("trainer.deterministic=sometimes", "trainer.deterministic=sometimes: give true or false"),
+    ("trainer.enable_progress_bar=2", "trainer.enable_progress_bar=2: give true or false"),
+    ("callbacks.freeze_backbone.epochs=-1", "callbacks.freeze_backbone.epochs=-1: give a whole number of 0 or more"),
+    ("heartbeat_timeout_s=0", "heartbeat_timeout_s=0: give a number above 0"),
+    ("stop_grace_s=-1", "stop_grace_s=-1: give a number above 0"),
+    ("nodes_wait_s=abc", "nodes_wait_s=abc: give a number above 0"),
+    ("channels_last=1", "channels_last=1: give true or false"),
+    ("num_nodes=0", "num_nodes=0: give a whole number of 1 or more"),
+    ("seed=1.5", "seed=1.5: give a whole number from 0 to 4294967295"),
+]
+# ...or refused by the library as the run builds its objects: one line naming the key and the library's reason, its
+# traceback in the run's train.log
+REFUSED_AS_BUILT = [
+    ("+model.optimizer.betas=[2,0.9]", "model.optimizer: ValueError: Invalid beta parameter at index 0: 2"),
+    ("model.scheduler._target_=torch.optim.lr_scheduler.StepLR", "model.scheduler: TypeError: StepLR.__init__()"),
+    ("+trainer.foo=1", "trainer: TypeError: Trainer.__init__() got an unexpected keyword argument 'foo'"),
+    ("+callbacks.x._target_=lightning.pytorch.callbacks.EarlyStopping", "callbacks.x: TypeError: EarlyStopping."),
+    ("callbacks.best_checkpoint.mode=maxx", "Lightning: `mode` can be min, max but got maxx"),
+    ("data.split=[0.5,0.5]", "data.split=[0.5, 0.5]: give three fractions (train, val, test) that sum to 1"),
+]
+
+
+@pytest.mark.parametrize("table", ["before the run", "as built"])
+def test_a_mistyped_value_is_one_line_naming_its_key_and_exit_2(table, tmp_path):
+    cases = REFUSED_BEFORE_THE_RUN if table == "before the run" else REFUSED_AS_BUILT
+    for case, (override, said) in enumerate(cases):
+        run = tmp_path / str(case)
+        proc = train(run, "debug=fdr", *override.split(), expect_ok=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {said}"), (override, errors)
+        assert "Traceback" not in proc.stdout + proc.stderr, override
+        if table == "before the run":
+            assert not list(run.glob("logs/train/runs/*")), override
+        else:
+            (log,) = run.glob("logs/train/runs/*/train.log")
+            assert "Traceback" in log.read_text() or said.startswith(("Lightning", "data.split")), override
+
+
 def test_a_value_the_config_leaves_to_the_user_is_asked_for_in_one_line(tmp_path):
     proc = predict(tmp_path, expect_ok=False)
     assert proc.returncode == 2 and proc.stderr == asked("inputs")

@@ -399,6 +399,7 @@ def test_a_chunk_gone_from_the_cache_is_fetched_again(s3, tmp_path, monkeypatch)
 
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
+
     class GoneFromTheCache:
         def __getitem__(self, index):  # litdata's reader where a chunk it counts as cached is not there
             raise FileNotFoundError(f"{chunk}: no such file")

@@ -14,7 +14,7 @@ ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
     {"errors", "declared"},
-    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices"},
+    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema"},
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run"},

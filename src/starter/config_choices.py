@@ -31,9 +31,14 @@ def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
         if override.is_delete() or group.startswith("hydra") or not any((f / group).is_dir() for f in folders):
             continue
         for option in override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]:
-            if isinstance(option, str) and not any((f / group / f"{option}.yaml").is_file() for f in folders):
+            if (
+                option is None
+                or isinstance(option, str)
+                and not any((f / group / f"{option}.yaml").is_file() for f in folders)
+            ):
                 options = sorted({p.stem for f in folders if (f / group).is_dir() for p in (f / group).glob("*.yaml")})
-                print(f"error: {group}={option}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
+                said = "null" if option is None else option
+                print(f"error: {group}={said}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
                 raise SystemExit(USER_ERROR_EXIT_CODE)
 
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
+from starter.config_schema import check_schema
 from starter.data.shard_set import describe  # full examples
 from starter.declared import declared
 from starter.errors import UserError
@@ -28,14 +29,9 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 def prepare(cfg: DictConfig) -> Layout:
     """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
     _settle_shards(cfg)  # full examples
-    global_batch = None
-    if data_shards_itself(cfg.data):  # a global batch, checked here; another DataModule's batch size is its own
-        whole_number("data.batch_size", cfg.data.batch_size, 1)
-        global_batch = cfg.data.batch_size
-    # Lightning takes these unchecked: 0 divides by zero mid-run, a negative accumulation never steps the optimizer
-    whole_number("trainer.accumulate_grad_batches", cfg.trainer.get("accumulate_grad_batches", 1), 1)
-    if cfg.trainer.get("check_val_every_n_epoch") is not None:
-        whole_number("trainer.check_val_every_n_epoch", cfg.trainer.check_val_every_n_epoch, 1)
+    check_schema(cfg)
+    # a global batch where the DataModule shards itself (shared over the processes); another's batch size is its own
+    global_batch = cfg.data.batch_size if data_shards_itself(cfg.data) else None
     layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)
     settle_num_classes(cfg)
     _check_capabilities(cfg, traits, layout)
@@ -81,6 +77,7 @@ def data_shards_itself(data: DictConfig) -> bool:
 def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     """What every run settles (training, predict): precision, devices, layout, equal shares of `global_batch` (None:
     a batch that is each process's own)."""
+    check_schema(cfg)  # the keys' types and ranges (config_schema.py)
     _check_one_copy(cfg)
     adopt_torchrun_sizes(cfg)
     if str(cfg.precision) not in PRECISIONS:
@@ -88,11 +85,6 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
         raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
                         " SIGUSR1, SIGUSR2")  # fmt: skip
-    for key in ("heartbeat_timeout_s", "stall_timeout_s", "stop_grace_s", "nodes_wait_s"):
-        if not float(cfg[key]) > 0:
-            raise UserError(f"{key}={cfg[key]}: give seconds above 0")
-    if "seed" in cfg:
-        whole_number("seed", cfg.seed, 0, 2**32 - 1)  # numpy's range; Lightning raises outside it, truncates 1.5
     _settle_accelerator_and_devices(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")

@@ -17,7 +17,7 @@ from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
-from starter.errors import PREEMPTED_EXIT_CODE, UserError, one_line
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line
 from starter.launch.environment import external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -40,8 +40,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
 def train_and_test(cfg: DictConfig) -> dict[str, float]:
     start_process(cfg)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
-    datamodule = build(cfg.data)
-    model = build(cfg.model)
+    datamodule = build(cfg.data, "data")
+    model = build(cfg.model, "model")
+    try_factories(cfg.model, "model")
     if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
         load_initial_weights(model, Path(cfg.init_from), set(cfg.model_builders))
     if cfg.trainer.get("enable_model_summary") and process_rank() == 0 and "image_shape" in cfg.data:
@@ -52,8 +53,9 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
         model.compile(**cfg.get("compile_options") or {})
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
     hyperparameters = PlainHyperparameters(*(OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data)))
-    callbacks = [c for c in map(build, cfg.callbacks.values()) if c is not None]  # a callback may build to None: off
-    loggers = [lg for lg in map(build, cfg.logger.values()) if lg is not None]  # some only on rank 0
+    # a callback may build to None (off); some loggers build on rank 0 only
+    callbacks = [c for name, node in cfg.callbacks.items() if (c := build(node, f"callbacks.{name}")) is not None]
+    loggers = [lg for name, node in cfg.logger.items() if (lg := build(node, f"logger.{name}")) is not None]
     # what every run keeps, whatever the callbacks config says
     own = [inference, hyperparameters, MidEpochResume(), RandomState(cfg.seed)]
     trainer = build_trainer(cfg, layout, [*callbacks, *own], loggers, getattr(datamodule, "shards_itself", False))
@@ -120,11 +122,11 @@ def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: lis
     SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py).
     Lightning's DistributedSampler goes into the DataLoaders of a DataModule that does not shard itself, unless
     `trainer.use_distributed_sampler` says otherwise."""
-    plugins = [build(p) for p in cfg.trainer.get("plugins") or []]
+    plugins = [build(p, f"trainer.plugins.{i}") for i, p in enumerate(cfg.trainer.get("plugins") or [])]
     plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
     plugins += [] if external_launcher(layout.world) else [LightningEnvironment()]
     sampler = cfg.trainer.get("use_distributed_sampler")
-    return build(cfg.trainer, enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
+    return build(cfg.trainer, "trainer", enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
                  callbacks=callbacks, logger=loggers or False, plugins=plugins,
                  use_distributed_sampler=not shards_itself if sampler is None else sampler)  # fmt: skip
 
@@ -146,25 +148,67 @@ def _log_through_root() -> None:
             logging.getLogger(name).propagate = True
 
 
-def build(node, **kwargs):
-    """hydra.utils.instantiate, letting a UserError or Lightning's refusal raised by a constructor through as itself;
-    a `_target_` that does not import is a user error (Hydra's: a traceback in every process)."""
+# what a constructor raises for a value it refuses (TypeError: for an argument it does not take): the config's to fix
+REFUSALS = (ValueError, TypeError, AssertionError)
+
+
+def build(node, key: str, **kwargs):
+    """hydra.utils.instantiate of the config at `key`, letting a UserError or Lightning's refusal raised by a
+    constructor through as itself; a `_target_` that does not import, or a value the constructor refuses
+    (REFUSALS), is a user error naming the key (Hydra's: a traceback in every process; the refusal's traceback is
+    kept in the run's log). Any other exception is a bug, raised as it is."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
-        if isinstance(err.__cause__, (UserError, MisconfigurationException)):
-            raise err.__cause__ from None
-        if isinstance(err.__cause__, ImportError) and str(err).startswith("Error locating target"):
-            raise UserError(_unimportable(err)) from None
+        cause = err.__cause__
+        if isinstance(cause, (UserError, MisconfigurationException)):
+            raise cause from None
+        if isinstance(cause, ImportError) and str(err).startswith("Error locating target"):
+            raise UserError(_unimportable(err, key)) from None
+        if isinstance(cause, REFUSALS):
+            _, found, full_key = str(err).rpartition("\nfull_key: ")  # from the config's root, where Hydra says it
+            raise refused(full_key if found and full_key else key, cause) from None
         raise
 
 
-def _unimportable(err: InstantiationException) -> str:
+def refused(key: str, err: BaseException) -> UserError:
+    """A value the library refused, as one line naming the key; its traceback in the run's log only."""
+    log.info("%s was refused:", key, exc_info=err, extra={"file_only": True})
+    return UserError(f"{key}: {' '.join(first_line(err).split())}")
+
+
+def try_factories(node, key: str) -> None:
+    """The module's `_partial_` optimizer and scheduler factories (the template's pattern) built once on a stand-in
+    parameter: a value torch refuses (`lr=-1`) is one line now, not a traceback from inside fit."""
+    from hydra.utils import get_object
+
+    stand_in = [torch.nn.Parameter(torch.zeros(1))]
+    for name, child in node.items():
+        if not (OmegaConf.is_dict(child) and child.get("_partial_") and isinstance(child.get("_target_"), str)):
+            continue
+        try:
+            target = get_object(child._target_)
+        except Exception:
+            continue  # building the module has said why
+        if isinstance(target, type) and issubclass(target, torch.optim.Optimizer):
+            given = stand_in
+        elif isinstance(target, type) and issubclass(target, torch.optim.lr_scheduler.LRScheduler):
+            given = torch.optim.SGD(stand_in, lr=1.0)
+        else:
+            continue
+        factory = build(child, f"{key}.{name}")
+        try:
+            factory(given)
+        except REFUSALS as err:
+            raise refused(f"{key}.{name}", err) from None
+
+
+def _unimportable(err: InstantiationException, key: str) -> str:
     """One line of Hydra's words: "Error loading '<target>':\n<why>\n<hint>" (the cause), "...\nfull_key: <key>"."""
     loading, *why = str(err.__cause__).splitlines()
     target = loading.removeprefix("Error loading '").removesuffix("':")
-    _, found, key = str(err).rpartition("\nfull_key: ")
-    return f"{key + '.' if found else ''}_target_={target}: cannot import it: {' '.join(why)}"
+    _, found, full_key = str(err).rpartition("\nfull_key: ")  # from the config's root, where Hydra says it
+    return f"{full_key if found and full_key else key}._target_={target}: cannot import it: {' '.join(why)}"
 
 
 def use_channels_last(model: torch.nn.Module, weights: bool) -> None:
