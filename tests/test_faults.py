@@ -228,10 +228,10 @@ def test_ctrl_c_named_in_stop_signals_saves_last_checkpoint_first(tmp_path):
     last = wait_for_checkpoint(tmp_path, proc, epochs=1)
     os.killpg(proc.pid, signal.SIGINT)
     codes, _, lines = exits([proc], timeout=60, said=("error:", "Traceback"))
-    assert codes == [143] and lines == [
-        "error: stopped by SIGINT after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-    ], (codes, lines)
     (stopped_at,) = re.findall(r"stopped by a stop signal at step (\d+) after saving", proc.stdout.read())
+    assert codes == [143] and lines == [
+        f"error: stopped by SIGINT at step {stopped_at} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
+    ], (codes, lines)
     assert torch.load(last, weights_only=True)["global_step"] == int(stopped_at)
 
 
@@ -272,9 +272,8 @@ def test_every_stop_signal_the_launcher_gets_reaches_every_worker(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for name in signals:
         assert [(tmp_path / name / f"rank{rank}").read_text() for rank in (0, 1)] == [name, name]
-        assert (
-            f"{name} 143 stopped by {name} after saving checkpoints/last.ckpt; resume with ckpt_path=last" in out.stdout
-        )
+        said = f"{name} 143 stopped by {name} at step 0 after saving checkpoints/last.ckpt; resume with ckpt_path=last"
+        assert said in out.stdout
 
 
 def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_stop(tmp_path):

@@ -210,15 +210,21 @@ def planted_record(index: int) -> dict:
 def planted_shards(digit_shards, tmp_path_factory) -> Path:
     """A set made the way someone else would make one, with litdata's own writer: records holding a pickled object,
     beside a shards.json copied from a real set."""
+    out = tmp_path_factory.mktemp("planted") / "set"
+    write_set(planted_record, out, digit_shards)
+    return out
+
+
+def write_set(record, out: Path, like: Path) -> None:
+    """A set of 8 records a split written by litdata's own writer with `record(i)`, a shards.json like `like`'s."""
     from litdata import optimize
 
-    out = tmp_path_factory.mktemp("planted") / "set"
     for split in ("train", "val", "test"):
-        optimize(fn=planted_record, inputs=list(range(8)), output_dir=str(out / split), chunk_bytes="1MB",
-                 num_workers=1, verbose=False)  # fmt: skip
-    described = json.loads((digit_shards / "shards.json").read_text())
+        # start_method: litdata sets the process's own (spawn, by default) for the rest of the test session
+        optimize(fn=record, inputs=list(range(8)), output_dir=str(out / split), chunk_bytes="1MB", num_workers=1,
+                 verbose=False, start_method="fork")  # fmt: skip
+    described = json.loads((like / "shards.json").read_text())
     (out / "shards.json").write_text(json.dumps({**described, "splits": {"train": 8, "val": 8, "test": 8}}))
-    return out
 
 
 def test_a_set_whose_records_hold_pickled_objects_is_refused_before_a_record_is_read(planted_shards, tmp_path):
@@ -265,14 +271,8 @@ def shifted_record(index: int) -> dict:
 
 
 def test_a_set_whose_records_are_out_of_order_is_refused_naming_the_record(digit_shards, tmp_path):
-    from litdata import optimize
-
     out = tmp_path / "shifted"
-    for split in ("train", "val", "test"):
-        optimize(fn=shifted_record, inputs=list(range(8)), output_dir=str(out / split), chunk_bytes="1MB",
-                 num_workers=1, verbose=False)  # fmt: skip
-    described = json.loads((digit_shards / "shards.json").read_text())
-    (out / "shards.json").write_text(json.dumps({**described, "splits": {"train": 8, "val": 8, "test": 8}}))
+    write_set(shifted_record, out, digit_shards)
     proc = train(tmp_path, *SHARDS, f"data.source={out}", "data.batch_size=8", "debug=fdr", expect_ok=False)
     assert proc.returncode == 2
     assert re.search(rf"error: {out}/(train|val): record \d+ holds sample \d+; the shard set is out of order",

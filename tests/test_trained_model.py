@@ -146,7 +146,14 @@ def test_an_onnx_model_past_the_limit_keeps_its_weights_beside_it_and_says_so(tm
 def test_a_net_that_cannot_be_exported_as_it_is_is_refused_in_one_line(net, fmt, refused, tmp_path):
     from starter.errors import UserError
 
-    path = weights_file(tmp_path, "mlp", f"model.net._target_=probes.{net}", "~model.net.width", "~model.net.depth")
+    path = weights_file(
+        tmp_path,
+        "mlp",
+        f"model.net._target_=probes.{net}",
+        "~model.net.width",
+        "~model.net.depth",
+        "~model.net.dropout",
+    )
     own = tmp_path / "conf"  # a config folder of one's own naming the net (hydra.searchpath)
     (own / "model").mkdir(parents=True)
     (own / "model" / "probe.yaml").write_text(f"net:\n  _target_: probes.{net}\n")

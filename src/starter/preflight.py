@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from starter.checkpointing.record import model_builders
-from starter.checkpointing.resume import check_sharded_writer, resolve_ckpt_path, saved_config
+from starter.checkpointing.resume import check_sharded, resolve_ckpt_path, saved_config
 from starter.config_schema import check_schema
 from starter.data.shard_set import describe  # full examples
 from starter.declared import declared
@@ -51,7 +51,7 @@ def prepare(cfg: DictConfig) -> Layout:
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
     saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
     if path is not None:
-        check_sharded_writer(path, cfg.strategy.name)
+        check_sharded(path, cfg.strategy.name)
         if path.is_dir() and saved is not None:
             check_cut(path, saved, cfg, layout)
     cfg.ckpt_path = None if path is None else str(path)

@@ -3,6 +3,7 @@ nothing read from the device, and nothing at all until a signal arrives. Lightni
 watchdogs read what it writes."""
 
 import os
+import socket
 from datetime import timedelta
 
 from starter.topology import key_prefix
@@ -25,13 +26,21 @@ class StopAgreement:
             from torch.distributed import TCPStore
 
             address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            self._store = TCPStore(
-                address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
-            )
+            with socket.create_connection((address, port), timeout=2):
+                pass  # a store that is gone refuses at once (a client would retry until its timeout)
+            timeout = timedelta(seconds=10)
+            self._store = TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timeout)
         return self._store
 
     def stop_at(self, step: int) -> bool:
-        """Whether this rank, at the end of optimizer step `step`, stops (every rank gets the same answer there)."""
+        """Whether this rank, at the end of optimizer step `step`, stops (every rank gets the same answer there).
+        False where the store is gone (its launcher killed): a logging step's collective decides then."""
+        try:
+            return self._stop_at(step)
+        except (OSError, RuntimeError):  # connection refused or reset; torch's DistNetworkError, DistStoreError
+            return False
+
+    def _stop_at(self, step: int) -> bool:
         store = self.store()
         if not self.counted:
             store.add(f"{self.prefix}/ranks", 1)
@@ -46,8 +55,11 @@ class StopAgreement:
         return decided == "stop"
 
     def say_saved(self, step: int) -> None:
-        """Rank 0, once last.ckpt is in place: what the launcher's line may then say."""
-        self.store().set(f"{self.prefix}/saved", str(step))
+        """Rank 0, once last.ckpt is in place: what the launcher's line may then say (where it still listens)."""
+        try:
+            self.store().set(f"{self.prefix}/saved", str(step))
+        except (OSError, RuntimeError):
+            pass
 
 
 def stop_requested(store, prefix: str) -> bool:

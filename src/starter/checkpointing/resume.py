@@ -41,10 +41,6 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
         last = path / "checkpoints" / "last.ckpt"  # a run directory's
         instead = f"ckpt_path={last}" if last.is_file() else "a .ckpt file, a sharded checkpoint or ckpt_path=last"
         raise UserError(f"ckpt_path={cfg.ckpt_path} is a directory but no checkpoint; give {instead}")
-    if is_sharded(path):
-        from starter.checkpointing.sharded_read import read_metadata
-
-        read_metadata(path)  # one that is not torch's metadata is refused here, before any process starts
     return path
 
 
@@ -72,14 +68,18 @@ def saved_config(checkpoint: Path) -> DictConfig | None:
     return saved
 
 
-def check_sharded_writer(path: Path, strategy: str) -> None:
-    """A sharded checkpoint is read by the strategy that wrote it (its run's config says which)."""
+def check_sharded(path: Path, strategy: str) -> None:
+    """A sharded checkpoint is read by the strategy that wrote it (its run's config says which), and its metadata is
+    torch's (refused here, before any process starts, where it is not)."""
     if not path.is_dir():
         return
     saved = saved_config(path)
     if strategy != (writer := str(saved.strategy.name) if saved is not None else "fsdp"):
         raise UserError(f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with"
                         f" strategy={writer}")  # fmt: skip
+    from starter.checkpointing.sharded_read import read_metadata
+
+    read_metadata(path)
 
 
 def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
