@@ -56,6 +56,36 @@ def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
     assert outputs[1][0] == "" and outputs[0][0].count("train: data=digits") == 1  # each line once, rank 0's
 
 
+def scheduler_env(scheduler: str, rank: int, port: int, tmp_path) -> dict:
+    """What Kubeflow's PyTorchJob gives each pod, or jsrun each task of an LSF job, here for 2 one-process "nodes"."""
+    import os
+    import socket
+
+    if scheduler == "kubeflow":
+        given = dict(KUBERNETES_PORT="tcp://10.96.0.1:443", MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", RANK=str(rank))
+    else:  # the rank file: the launch node, then a line per task's host
+        rankfile = tmp_path / "rankfile"
+        rankfile.write_text(f"batch\n{socket.gethostname()}\n{socket.gethostname()}\n")
+        given = dict(LSB_JOBID="77", LSB_DJOB_RANKFILE=str(rankfile), JSM_NAMESPACE_LOCAL_RANK="0",
+                     JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_RANK=str(rank))  # fmt: skip
+    return dict(os.environ, MASTER_PORT=str(port), **given)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler,name", [("kubeflow", "kubeflow-127.0.0.1"), ("lsf", "lsf-77")])
+def test_the_ranks_kubeflow_or_lsf_start_train_as_one_process_in_one_run_directory(
+    scheduler, name, reference_weights, tmp_path
+):
+    port = free_port()
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS,
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    outputs = start_all([(command, scheduler_env(scheduler, rank, port, tmp_path)) for rank in (0, 1)], tmp_path)
+    (run_dir,) = run_dirs(tmp_path)  # each process composed the config; both named the run after the job
+    assert run_dir.name == name and (run_dir / "metrics.json").is_file()
+    assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5
+    assert [out.count("train: data=digits") for out, _ in outputs] == [1, 0]  # rank 0 says it
+
+
 @pytest.mark.slow
 def test_two_nodes_of_two_processes_each_train_as_one_process_whatever_their_run_directories(
     reference_weights, tmp_path

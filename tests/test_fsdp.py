@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -78,6 +79,17 @@ def test_predict_reads_a_sharded_checkpoint_as_the_weights_it_holds(short_runs, 
     rows = [predictions(predict(tmp_path / name, f"ckpt_path={checkpoints / name}", f"inputs={digit_files}"))
             for name in ("last.ckpt", "model.pt")]  # fmt: skip
     assert rows[0] == rows[1] and len(rows[0]) == 271
+
+
+def test_a_run_of_any_strategy_gives_its_trained_module_back_in_one_call(short_runs):
+    import starter
+
+    run_dir = short_runs["fsdp"]  # its best.ckpt: a sharded directory
+    module = starter.load_module(run_dir)
+    best = module.state_dict()
+    saved = starter.load_module(run_dir / "checkpoints" / "model.pt").state_dict()
+    assert type(module).__name__ == "Classifier" and best.keys() == saved.keys()
+    assert torch.equal(starter.load_module(run_dir / "checkpoints" / "last.ckpt").net[1].weight, saved["net.1.weight"])
 
 
 def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):

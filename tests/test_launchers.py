@@ -1,5 +1,6 @@
-"""Hydra's submitit launchers (launcher=slurm, launcher=local): one SLURM job per sweep point. Part of the larger
-examples (`examples=minimal` leaves them out; the SLURM environment itself is handled in test_clusters.py)."""
+"""Hydra's launchers: submitit's (launcher=slurm, launcher=local), one SLURM job per sweep point; joblib's
+(launcher=joblib), a sweep's jobs side by side on one machine. Part of the larger examples (`examples=minimal` leaves
+them out; the SLURM environment itself is handled in test_clusters.py)."""
 
 import pytest
 
@@ -11,6 +12,22 @@ def test_local_submitit_launcher_runs_ddp_jobs(tmp_path):
     train(tmp_path, "-m", "launcher=local", "strategy=ddp", "devices=2", "accelerator=cpu", "seed=1,2", "debug=limit")
     jobs = sweep_jobs(tmp_path)
     assert [j.name for j in jobs] == ["0", "1"] and all((j / "metrics.json").is_file() for j in jobs)
+
+
+@pytest.mark.slow
+def test_hydras_joblib_launcher_runs_ddp_jobs_side_by_side_each_in_a_run_directory_of_its_own(tmp_path):
+    # each job in a loky worker, whose start method of its own its ddp workers could not take (its jobs failed so)
+    train(tmp_path, "-m", "launcher=joblib", "hydra.launcher.n_jobs=2", "strategy=ddp", "devices=2", "seed=1,2",
+          "debug=fdr")  # fmt: skip
+    jobs = sweep_jobs(tmp_path)
+    assert [j.name for j in jobs] == ["0", "1"] and all((j / "metrics.json").is_file() for j in jobs)
+    assert [compose_seed(j) for j in jobs] == [1, 2]
+
+
+def compose_seed(job) -> int:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(job / "config.yaml").seed
 
 
 def test_slurm_launcher_takes_nodes_and_devices_and_lets_slurm_start_the_ranks(tmp_path, monkeypatch):

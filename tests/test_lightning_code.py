@@ -114,6 +114,23 @@ def test_the_templates_module_saves_its_net_and_partials_as_their_config_and_tra
     assert ours.keys() == lightning.keys() and all(torch.equal(ours[k], lightning[k]) for k in ours)
 
 
+def test_a_module_whose_hyperparameters_hold_code_comes_back_in_one_call_and_the_run_says_which(one_process):
+    import starter
+
+    run_dir, proc = one_process["template"]
+    said = [line for line in proc.stdout.splitlines() if "load_from_checkpoint cannot rebuild it" in line]
+    assert said == [  # once, on the console, the run directory as the run's other lines show it
+        "DigitsLitModule's hyperparameters net, optimizer, scheduler are code: DigitsLitModule.load_from_checkpoint"
+        f" cannot rebuild it; starter.load_module('{run_dir.relative_to(run_dir.parents[3])}') does"
+    ], said
+    module = starter.load_module(run_dir, config_dirs=[ROOT / "conf", FOREIGN / "conf"])
+    assert type(module).__name__ == "DigitsLitModule" and not module.training
+    best = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)["state_dict"]  # a run's: its best
+    assert module.state_dict().keys() == best.keys() and all(torch.equal(module.state_dict()[k], best[k]) for k in best)
+    with pytest.raises(Exception, match="no model config here names"):  # only what the config folders name
+        starter.load_module(run_dir)
+
+
 def test_a_task_that_logs_no_monitored_metric_keeps_no_best_checkpoint_says_so_once_and_tests_its_final_weights(
     one_process,
 ):
@@ -216,3 +233,75 @@ def test_under_fsdp_stopped_mid_epoch_and_resumed_it_trains_the_steps_lightning_
 
 def experiment_datamodule(experiment: str) -> str:
     return {"template": "DigitsDataModule", "manual": "DictDigits", "tokens": "TokenStream"}[experiment]
+
+
+LIGHTNING_MODEL_PARALLEL = """
+import lightning as L, torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+if __name__ == "__main__":
+    with initialize_config_dir(config_dir="{conf}", version_base="1.3"):
+        cfg = compose("train", overrides={overrides})
+    L.seed_everything(cfg.seed, workers=True)
+    model = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data) if "_target_" in cfg.data else None
+    strategy = ModelParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={tp})
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=2, strategy=strategy, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(model, datamodule=datamodule)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.is_global_zero:
+        torch.save(weights, "{out}")
+    torch.distributed.destroy_process_group()
+"""
+# a module that applies tensor parallel itself and owns its loaders; one that applies FSDP2 itself, on a DataModule
+SELF_PARALLEL = {
+    "tp": (["model=tp_feedforward", "data=none", "monitor=val_acc", "test=false"], 1, 2),
+    "fsdp": (["model=fsdp_layers", "data=template_digits"], 2, 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SELF_PARALLEL)
+def test_a_module_that_parallelizes_itself_trains_what_lightnings_model_parallel_strategy_trains(strategy, tmp_path):
+    overrides, dp, tp = SELF_PARALLEL[strategy]
+    ours = [SEARCHPATH, *overrides, f"strategy={strategy}", "devices=2", "trainer.max_epochs=2"]
+    if strategy == "fsdp":  # its sharded checkpoint resumed: one epoch, then the second from last.ckpt
+        train(tmp_path / "first", *ours, "trainer.max_epochs=1", "test=false", env=PROBES)
+        last = run_dirs(tmp_path / "first")[0] / "checkpoints" / "last.ckpt"
+        ours.append(f"ckpt_path={last}")
+    train(tmp_path / "ours", *ours, env=PROBES)
+    (run_dir,) = run_dirs(tmp_path / "ours")
+    # Lightning's own Trainer(strategy=ModelParallelStrategy(...), devices=2), same module, data and seed: its
+    # launcher runs the script again for rank 1
+    script = tmp_path / "lightning_model_parallel.py"
+    compose_overrides = [SEARCHPATH, *(o for o in overrides if not o.startswith(("monitor", "test")))]
+    script.write_text(LIGHTNING_MODEL_PARALLEL.format(conf=ROOT / "conf", overrides=compose_overrides, dp=dp, tp=tp,
+                                                      out=tmp_path / "lightning.pt"))  # fmt: skip
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, env=with_env(PROBES), timeout=300)
+    lightning, mine = torch.load(tmp_path / "lightning.pt", weights_only=True), model_weights(run_dir)
+    assert mine.keys() == lightning.keys()  # model.pt: the whole module, gathered from its shards
+    assert max((mine[k] - lightning[k]).abs().max().item() for k in mine) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("no_data", ["data=none", "~data"])
+def test_a_module_that_owns_its_loaders_runs_without_a_datamodule_split_by_lightnings_sampler(no_data, tmp_path):
+    steps = {}
+    for processes in (["strategy=auto"], ["strategy=ddp", "devices=2"]):
+        train(tmp_path / processes[0], SEARCHPATH, "model=own_loaders", no_data, "trainer.max_epochs=1", *processes,
+              env=PROBES)  # fmt: skip
+        (run_dir,) = run_dirs(tmp_path / processes[0])
+        steps[processes[0]] = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        assert "test/acc" in read_metrics(run_dir)
+    # 1,797 digits, 64 a batch: 29 batches in one process; each of two ranks Lightning's half (899), 15 batches
+    assert steps == {"strategy=auto": 29, "strategy=ddp": 15}
+    # hyperparameters of plain values: Lightning's own load_from_checkpoint rebuilds it, weights-only
+    from foreign.parallel import DigitsWithOwnLoaders
+
+    (run_dir,) = run_dirs(tmp_path / "strategy=ddp")
+    loaded = DigitsWithOwnLoaders.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert torch.equal(loaded.layer.weight, model_weights(run_dir)["layer.weight"])

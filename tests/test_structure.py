@@ -17,7 +17,7 @@ LAYERS = [
     {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema"},
     {"data", "launch"},
     {"strategies"},
-    {"preflight", "run"},
+    {"preflight", "run", "trained"},
     ENTRY_POINTS,
 ]
 

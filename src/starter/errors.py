@@ -71,8 +71,8 @@ def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "")
         code[0] = 1
         raise
     code[0] = INTERRUPTED_EXIT_CODE
-    # said once where torchrun or srun started the ranks (topology.process_rank's rule; this layer is below it)
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    # said once where torchrun or a scheduler started the ranks (topology.process_rank's rule; this layer is below it)
+    if next((os.environ[v] for v in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK") if v in os.environ), "0") == "0":
         print(f"error: interrupted (Ctrl-C){interrupted_hint}", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED_EXIT_CODE)
 

@@ -4,6 +4,7 @@ in one worker per device. The machinery of several processes is imported only wh
 import importlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from starter.config_choices import check_given
 from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, interrupted, one_line
-from starter.launch.environment import launched_by, slurm_tasks, torchrun_id
+from starter.launch.environment import launched_by, started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
 from starter.topology import Layout, Traits, device_type, key_prefix, process_rank
@@ -29,10 +30,16 @@ TRAIN = "starter.run:run"  # the job each process runs: "module:function", calle
 def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     logging.captureWarnings(True)  # Python's warnings to the log file (loggers/console.py); the console's are ours
-    if (torchrun_id() is not None or slurm_tasks() > 1) and process_rank() > 0:
+    if multiprocessing.get_start_method(allow_none=True) not in (None, *multiprocessing.get_all_start_methods()):
+        # a job in a launcher's worker that set a start method of its own (Hydra's joblib launcher: loky's), which
+        # the processes this job starts (workers, fork servers) could not set: they start the platform's way
+        multiprocessing.set_start_method(None, force=True)
+    if started_externally() and process_rank() > 0:
         _quiet()  # ranks torchrun or srun started say their lines once, from rank 0, from the first line on
     layout = None
     try:
+        with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
+            cfg.data = cfg.get("data") or {}
         check_given(cfg)
         layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
@@ -185,9 +192,17 @@ def run_id(cfg: DictConfig) -> str:
 
 
 def save_resolved(cfg: DictConfig, path: Path) -> Path:
-    """Plain values for the workers and readers, renamed into place (every node's job writes it, others read it)."""
+    """Plain values for the workers and readers, renamed into place (every node's job writes it, others read it). A
+    value that names a key the config lacks (a model config reading `${data.image_shape}` with data=none) is one
+    line."""
+    from omegaconf.errors import InterpolationResolutionError
+
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    OmegaConf.save(cfg, temporary, resolve=True)
+    try:
+        OmegaConf.save(cfg, temporary, resolve=True)
+    except InterpolationResolutionError as err:
+        Path(temporary).unlink(missing_ok=True)
+        raise UserError(f"{err.full_key}: {' '.join(str(err).splitlines()[0].split())}") from None
     os.replace(temporary, path)
     return path
 

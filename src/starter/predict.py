@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from starter.checkpointing.record import model_builders
-from starter.checkpointing.resume import is_sharded
+from starter.checkpointing.resume import checkpoint_named
 from starter.errors import UserError
 from starter.loggers.report import shown
 from starter.preflight import settle, whole_number
@@ -35,30 +35,12 @@ def prepare(cfg: DictConfig) -> Layout:
     return layout
 
 
-def weights_path(spec: str, log_dir: Path) -> Path:
-    """The checkpoint `ckpt_path` names: a file or sharded directory; a run directory's best.ckpt, else its model.pt;
-    `last`: the newest run directory under `log_dir` that has either."""
-    if spec == "last":
-        found = [p.parent.parent for p in log_dir.glob("**/checkpoints/*") if p.name in ("best.ckpt", "model.pt")]
-        if not found:
-            raise UserError(f"ckpt_path=last: no trained run under {log_dir}; train first or give a path")
-        path = max(found, key=lambda run: (run / "checkpoints").stat().st_mtime)
-    else:
-        path = Path(spec)
-    for candidate in (path / "checkpoints" / "best.ckpt", path / "checkpoints" / "model.pt"):
-        if (path / "checkpoints").is_dir() and candidate.exists():
-            return candidate
-    if not path.exists() or path.is_dir() and not is_sharded(path):
-        raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
-    return path
-
-
 def settle_weights(cfg: DictConfig) -> None:
-    """`ckpt_path` as the checkpoint it names (weights_path), said in one line with the run that trained it (`last`
+    """`ckpt_path` as the checkpoint it names (checkpoint_named), said in one line with the run that trained it (`last`
     may be any run's), and `model_builders`, what may rebuild its model, for the workers (which have no Hydra run to
     read them from)."""
     spec = str(cfg.ckpt_path)
-    path = weights_path(spec, Path(cfg.paths.log_dir))
+    path = checkpoint_named(spec, Path(cfg.paths.log_dir))
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     trained = f", trained in {shown(run_dir)}" if run_dir is not None and (run_dir / "config.yaml").is_file() else ""
     log.info("ckpt_path=%s: %s%s", spec, shown(path), trained)

@@ -40,7 +40,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 def train_and_test(cfg: DictConfig) -> dict[str, float]:
     start_process(cfg)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
-    datamodule = build(cfg.data, "data")
+    datamodule = build(cfg.data, "data") if "_target_" in cfg.data else None  # data=none: the module's loaders
     model = build(cfg.model, "model")
     try_factories(cfg.model, "model")
     if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
@@ -52,7 +52,8 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("compile"):  # in place: parameter names and checkpoints stay the plain module's
         model.compile(**cfg.get("compile_options") or {})
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
-    hyperparameters = PlainHyperparameters(*(OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data)))
+    configs = (OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data))
+    hyperparameters = PlainHyperparameters(*configs, shown(cfg.paths.output_dir))
     # a callback may build to None (off); some loggers build on rank 0 only
     callbacks = [c for name, node in cfg.callbacks.items() if (c := build(node, f"callbacks.{name}")) is not None]
     loggers = [lg for name, node in cfg.logger.items() if (lg := build(node, f"logger.{name}")) is not None]

@@ -92,9 +92,16 @@ def data_parallel_place(trainer) -> tuple[int, int]:
     return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
 
+RANK_VARIABLES = (
+    "RANK",
+    "SLURM_PROCID",
+    "JSM_NAMESPACE_RANK",
+)  # torchrun's, torch's agent's, Kubeflow's; srun's; jsrun's
+
+
 def process_rank() -> int:
-    """This process's global rank before Lightning knows it (RANK; srun: SLURM_PROCID); 0 for one process."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    """This process's global rank before Lightning knows it (RANK_VARIABLES, the first set); 0 for one process."""
+    return int(next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), 0))
 
 
 def key_prefix(run_id: str | None = None) -> str:

@@ -21,5 +21,5 @@ class MidEpochResume(L.Callback):
                 " docs/extending.md)",
                 trainer.current_epoch + 1,
                 trained,
-                type(trainer.datamodule).__name__,
+                type(trainer.datamodule).__name__ if trainer.datamodule is not None else "the module's own loader",
             )

@@ -16,32 +16,39 @@ SAVED = {"hyper_parameters": "hparams_type", "datamodule_hyper_parameters": "dat
 
 
 class PlainHyperparameters(L.Callback):
-    def __init__(self, model: dict, data: dict):
-        """`model`, `data`: the resolved configs that built the module and the DataModule."""
+    def __init__(self, model: dict, data: dict, run_dir: str = "<run directory>"):
+        """`model`, `data`: the resolved configs that built the module and the DataModule; `run_dir`: the run's."""
         self.configs = {"hyper_parameters": model, "datamodule_hyper_parameters": data}
-        self.said: set[str] = set()
+        self.run_dir, self.said = run_dir, set()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         for key, type_key in SAVED.items():
             checkpoint.pop(type_key, None)
             if key in checkpoint:
-                checkpoint[key] = self.plain(dict(_container(checkpoint[key])), self.configs[key], key)
+                checkpoint[key] = self.plain(dict(_container(checkpoint[key])), self.configs[key], key, trainer)
 
-    def plain(self, hparams: dict, config: dict, key: str) -> dict:
-        kept, left_out = {}, []
+    def plain(self, hparams: dict, config: dict, key: str, trainer) -> dict:
+        kept, as_config, left_out = {}, [], []
         for name, value in hparams.items():
             value = _container(value)
             if is_plain(value):
                 kept[name] = value
             elif name in config and is_plain(config[name]):
                 kept[name] = config[name]
+                as_config.append(name)
             else:
                 left_out.append(name)
-        if left_out and key not in self.said:
+        if (as_config or left_out) and key not in self.said:
             self.said.add(key)
-            what = f"{key.replace('_', ' ')} {', '.join(left_out)}"
-            message = f"checkpoints leave out the {what}: code, with no config of that name to save instead"
-            log.info("%s (checkpoints load weights-only)", message, extra={"file_only": True})
+            code = ", ".join(as_config + left_out)
+            saved = f"checkpoints hold the {key.replace('_', ' ')} {code} as the config that built them, or leave"
+            log.info("%s them out (code does not load weights-only)", saved, extra={"file_only": True})
+            if key == "hyper_parameters" and trainer.is_global_zero:  # said once, on the console
+                module = type(trainer.lightning_module).__name__
+                rebuilt = (
+                    f"{module}.load_from_checkpoint cannot rebuild it; starter.load_module({str(self.run_dir)!r}) does"
+                )
+                log.info("%s's hyperparameters %s are code: %s", module, code, rebuilt)
         return kept
 
 

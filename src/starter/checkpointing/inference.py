@@ -43,20 +43,25 @@ def save_full_weights(trainer, path: Path, inference: dict) -> None:
 
 def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModule, dict]:
     """The trained model (CPU, eval mode) and its inference record, from any checkpoint of this starter or model.pt;
-    rebuilt only by `builders`, what the model configs here name (checkpointing/record.py)."""
-    from hydra.utils import instantiate
-
-    with refusing_pickled_code(path):
-        saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or "model" not in saved.get("inference", {}):
-        raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
-                        " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
-    record = saved["inference"]
-    if missing := [key for key in IMAGE_RECORD if key not in record]:
+    rebuilt only by `builders`, what the model configs here name (checkpointing/record.py). An image classifier's:
+    its record says how images were prepared."""
+    saved = _saved(path)
+    if missing := [key for key in IMAGE_RECORD if key not in saved["inference"]]:
         raise UserError(
             f"ckpt_path={path}: its run's DataModule recorded no {', '.join(missing)} (an image classifier's inference"
             " record, which a ShardedDataModule writes); predict.py and export.py need one"
         )
+    return load_trained(path, builders, saved)
+
+
+def load_trained(path: Path, builders: set[str], saved: dict | None = None) -> tuple[L.LightningModule, dict]:
+    """The trained LightningModule (CPU, eval mode) and its inference record, from any checkpoint of this starter
+    (any strategy's, a sharded directory too) or model.pt, rebuilt from the model config the record holds, only by
+    `builders`; its weights loaded weights-only. `saved`: the checkpoint's contents, where read already."""
+    from hydra.utils import instantiate
+
+    saved = saved or _saved(path)
+    record = saved["inference"]
     check_record(record, builders, f"ckpt_path={path}")
     model = instantiate(record["model"])
     if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
@@ -67,3 +72,13 @@ def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModul
         raise UserError(f"ckpt_path={path}: its weights do not fit the model it names ({mismatch})")
     model.load_state_dict(saved["state_dict"])
     return model.eval(), record
+
+
+def _saved(path: Path) -> dict:
+    """A checkpoint's contents (a sharded one's meta.pt), weights-only, with the inference record training wrote."""
+    with refusing_pickled_code(path):
+        saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or "model" not in saved.get("inference", {}):
+        raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
+                        " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
+    return saved

@@ -44,6 +44,24 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     return path
 
 
+def checkpoint_named(spec: str, log_dir: Path) -> Path:
+    """The checkpoint `spec` names: a file or sharded directory; a run directory's best.ckpt, else its model.pt;
+    `last`: the newest run directory under `log_dir` that has either."""
+    if spec == "last":
+        found = [p.parent.parent for p in log_dir.glob("**/checkpoints/*") if p.name in ("best.ckpt", "model.pt")]
+        if not found:
+            raise UserError(f"ckpt_path=last: no trained run under {log_dir}; train first or give a path")
+        path = max(found, key=lambda run: (run / "checkpoints").stat().st_mtime)
+    else:
+        path = Path(spec)
+    for candidate in (path / "checkpoints" / "best.ckpt", path / "checkpoints" / "model.pt"):
+        if (path / "checkpoints").is_dir() and candidate.exists():
+            return candidate
+    if not path.exists() or path.is_dir() and not is_sharded(path):
+        raise UserError(f"ckpt_path={spec}: no checkpoint there; give a .ckpt, a model.pt or a run directory")
+    return path
+
+
 def is_sharded(path: Path) -> bool:
     """A sharded checkpoint (fsdp, tp, pp): a directory holding Lightning's meta.pt beside the shards."""
     return path.is_dir() and (path / "meta.pt").is_file()

@@ -35,10 +35,26 @@ def launched_by(world: int, multi_process: bool) -> str | None:
     return "ours" if multi_process and world > 1 and "LOCAL_RANK" not in os.environ else None
 
 
+# Schedulers that start every rank themselves, found by the variables Lightning's environments detect them by
+# (KubeflowEnvironment: a PyTorchJob's pods, one process each; LSFEnvironment: jsrun's tasks), and the one that says
+# how many processes they started.
+SCHEDULERS = {
+    "kubeflow": (("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"), "WORLD_SIZE"),
+    "lsf": (("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK"),
+            "JSM_NAMESPACE_SIZE"),
+}  # fmt: skip
+
+
 def external_launcher(world: int) -> str | None:
-    """Who started every rank already: "torchrun", "slurm" (one task per rank), or None."""
+    """Who started every rank already: "torchrun", "kubeflow", "lsf", "slurm" (one task per rank), or None."""
     if torchrun_id() is not None:
         return "torchrun"
+    for name, (variables, size) in SCHEDULERS.items():
+        if all(variable in os.environ for variable in variables):
+            if int(os.environ[size]) != world:
+                raise UserError(f"{name} started {os.environ[size]} processes ({size}) but devices x num_nodes ="
+                                f" {world}; give the sizes it started")  # fmt: skip
+            return name
     tasks = slurm_tasks()
     if tasks <= 1:
         return None
@@ -47,6 +63,12 @@ def external_launcher(world: int) -> str | None:
                         " per device (--ntasks-per-node=<devices>), or for one task (--ntasks=1) and let"
                         " train.py start the workers")  # fmt: skip
     return "slurm"
+
+
+def started_externally() -> bool:
+    """Whether torchrun or a scheduler started this process as one of the run's ranks (before the sizes are known)."""
+    schedulers = any(all(v in os.environ for v in variables) for variables, _ in SCHEDULERS.values())
+    return torchrun_id() is not None or schedulers or slurm_tasks() > 1
 
 
 def slurm_tasks() -> int:

@@ -1,7 +1,7 @@
 """The `run_name` resolver: this run's directory name, the same in every process. A time stamp, shared where several
 processes compose the config: torchrun's rank 0's through torchrun's store (restarts keep it); node 0's through the
 nodes' store (agent.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
-`ckpt_path=auto` finds its directory)."""
+`ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
 from datetime import datetime
@@ -25,6 +25,10 @@ def run_name(num_nodes: int = 1) -> str:
         return _share(store, f"{KEY}/{run_id}", stamp, first=int(os.environ["RANK"]) == 0)
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
+    if "JSM_NAMESPACE_RANK" in os.environ and "LSB_JOBID" in os.environ:  # jsrun's tasks of an LSF job
+        return f"lsf-{os.environ['LSB_JOBID']}"
+    if "KUBERNETES_PORT" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # a PyTorchJob's pods
+        return f"kubeflow-{os.environ['MASTER_ADDR']}"  # its master pod's service: the job's name
     if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
         from starter.launch.agent import join_nodes
 

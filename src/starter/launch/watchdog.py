@@ -302,7 +302,8 @@ def process_state(pid: int) -> str | None:
 def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, stall_timeout_s: float) -> Watchdog:
     """The watchdog of a rank torchrun or srun started. Rank 0 serves the run's store and every rank is its client
     in init_process_group too (torch's agent-store contract), so a rank that fails before the group exists is seen."""
-    rank, world, address, port, served = {"torchrun": _torchrun_store, "slurm": _srun_store}[launcher](timeout_s)
+    store = _torchrun_store if launcher == "torchrun" else partial(_scheduler_store, launcher)
+    rank, world, address, port, served = store(timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
@@ -324,12 +325,17 @@ def _torchrun_store(timeout_s: float):
     return rank, world, address, port, served
 
 
-def _srun_store(timeout_s: float):
-    """Where Lightning's SLURM environment meets (MASTER_ADDR/PORT, else the first node and a port from the job id)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+SCHEDULER_ENVIRONMENTS = {"slurm": "SLURMEnvironment", "kubeflow": "KubeflowEnvironment", "lsf": "LSFEnvironment"}
 
-    slurm = SLURMEnvironment()
-    rank, world, address, port = slurm.global_rank(), slurm.world_size(), slurm.main_address, slurm.main_port
+
+def _scheduler_store(launcher: str, timeout_s: float):
+    """Where Lightning's environment of the scheduler meets (SLURM: MASTER_ADDR/PORT, else the first node and a port
+    from the job id; Kubeflow: MASTER_ADDR/PORT; LSF: the first host of the rank file and MASTER_PORT or the job id)."""
+    from lightning.fabric.plugins import environments
+
+    scheduler = getattr(environments, SCHEDULER_ENVIRONMENTS[launcher])()
+    rank, world = scheduler.global_rank(), scheduler.world_size()
+    address, port = scheduler.main_address, scheduler.main_port
     if rank != 0:
         return rank, world, address, port, None
     try:

@@ -1,6 +1,7 @@
 """What fsdp, tp and pp share: Lightning's ModelParallelStrategy with the parallelism applied from outside the module
-(`parallelize`, not the module's `configure_model`), on a mesh of the run's layout. Checkpoints are sharded directories
-(torch.distributed.checkpoint), each save a new one that `last.ckpt`/`best.ckpt` symlinks then point at atomically."""
+(`parallelize`), on a mesh of the run's layout; a module that applies its own in `configure_model` gets Lightning's
+mesh and nothing on top. Checkpoints are sharded directories (torch.distributed.checkpoint), each save a new one that
+`last.ckpt`/`best.ckpt` symlinks then point at atomically."""
 
 import shutil
 import time
@@ -9,11 +10,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from starter.checkpointing.resume import is_sharded
 from starter.checkpointing.sharded import point_atomically
 from starter.checkpointing.sharded_read import read_sharded
+from starter.errors import UserError
 from starter.topology import Layout
 
 
@@ -36,7 +39,24 @@ class OutsideModelParallel(ModelParallelStrategy):
         """Move the module to its device before `parallelize` (fsdp's CPU offload places it otherwise)."""
         self.model_to_device()
 
+    @property
+    def module_parallelizes_itself(self) -> bool:
+        """A module that overrides `configure_model` applies its own parallelism there, on `self.device_mesh`
+        ("data_parallel", "tensor_parallel": Lightning's ModelParallelStrategy contract); nothing goes on top."""
+        return is_overridden("configure_model", self.lightning_module)
+
     def setup(self, trainer) -> None:
+        if self.module_parallelizes_itself:
+            if getattr(self, "pipelined", False):
+                raise UserError(
+                    f"strategy={self.strategy_name} cuts the net into pipeline stages itself, and"
+                    f" {type(self.lightning_module).__name__} applies its own parallelism in configure_model();"
+                    " train it with strategy=fsdp or strategy=tp (pipeline_parallel_size=1)"
+                )
+            if not self.parallelized:  # it ran once (fit): a test in the same process must not apply it again
+                self.lightning_module.configure_model = _applied_already
+                self.parallelized = True
+            return ModelParallelStrategy.setup(self, trainer)
         # ModelParallelStrategy.setup, with `parallelize` instead of the module's configure_model (the module is
         # built on its device, never on the meta device; the optimizers have no state yet)
         self.accelerator.setup(trainer)
@@ -99,3 +119,9 @@ class OutsideModelParallel(ModelParallelStrategy):
             link.unlink()
         else:
             super().remove_checkpoint(filepath)
+
+
+def _applied_already() -> None:
+    """A module's configure_model after its first call in this process: Lightning calls it again for each stage
+    (fit, then test), and its parallelism, applied once, must not be applied twice (fully_shard and
+    parallelize_module refuse)."""
