@@ -181,7 +181,7 @@ def test_bad_config_is_refused_before_training(overrides, message, tmp_path):
 @pytest.mark.parametrize(
     "override,said",
     [
-        ("trainer.max_epochs=-5", "`max_epochs` must be a non-negative integer or -1. You passed in -5."),
+        ("+trainer.reload_dataloaders_every_n_epochs=-1", "`reload_dataloaders_every_n_epochs` should be an int >= 0"),
         ("trainer.limit_train_batches=0.001", "You requested to check 0.001 of the `train_dataloader` but"),  # fit
     ],
 )
@@ -234,7 +234,7 @@ REFUSED_BEFORE_THE_RUN = [
     ("trainer.max_epochs=abc", "trainer.max_epochs=abc: give a whole number of -1 or more"),
     ("+trainer.max_steps=1.5", "trainer.max_steps=1.5: give a whole number of -1 or more"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0: give a whole number of 1 or more"),
-    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: give a number above 0"),
+    ("trainer.limit_train_batches=-1", "trainer.limit_train_batches=-1: give a number of 0 or more"),
     ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1: give a number of 0 or more"),
     ("+trainer.num_sanity_val_steps=-2", "trainer.num_sanity_val_steps=-2: give a whole number of -1 or more"),
     ("trainer.deterministic=sometimes", "trainer.deterministic=sometimes: give true or false"),

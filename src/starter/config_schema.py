@@ -45,7 +45,7 @@ SCHEMA = {
     "trainer.max_epochs": "int >= -1",
     "trainer.min_epochs": "int >= 0 or null",
     "trainer.max_steps": "int >= -1",
-    "trainer.limit_train_batches": "number > 0 or null",
+    "trainer.limit_train_batches": "number >= 0 or null",
     "trainer.limit_val_batches": "number >= 0 or null",
     "trainer.limit_test_batches": "number >= 0 or null",
     "trainer.log_every_n_steps": "int >= 1",

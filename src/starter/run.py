@@ -7,7 +7,6 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,7 +17,7 @@ from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
 from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line
-from starter.launch.environment import external_launcher
+from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
 from starter.strategies.build import build_strategy
@@ -118,14 +117,14 @@ def start_process(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list, shards_itself: bool) -> L.Trainer:
-    """The trainer of `cfg.trainer`, with the strategy and precision of the run, its ranks read from torchrun's or
-    SLURM's variables where they started every rank, else ours (also inside a SLURM job of fewer tasks, whose
-    SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py).
+    """The trainer of `cfg.trainer`, with the strategy and precision of the run, its ranks read by Lightning's
+    environment of whoever started every rank (torchrun, SLURM, Kubeflow, LSF), else ours (also inside a SLURM job of
+    fewer tasks, whose SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py).
     Lightning's DistributedSampler goes into the DataLoaders of a DataModule that does not shard itself, unless
     `trainer.use_distributed_sampler` says otherwise."""
     plugins = [build(p, f"trainer.plugins.{i}") for i, p in enumerate(cfg.trainer.get("plugins") or [])]
     plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
-    plugins += [] if external_launcher(layout.world) else [LightningEnvironment()]
+    plugins.append(cluster_environment(external_launcher(layout.world)))
     sampler = cfg.trainer.get("use_distributed_sampler")
     return build(cfg.trainer, "trainer", enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
                  callbacks=callbacks, logger=loggers or False, plugins=plugins,

@@ -43,6 +43,18 @@ SCHEDULERS = {
     "lsf": (("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK"),
             "JSM_NAMESPACE_SIZE"),
 }  # fmt: skip
+# Lightning's environment of each launcher that started the ranks: given to the Trainer (Lightning detects SLURM's and
+# torchrun's by itself, not Kubeflow's: its detect() refuses), and read for where rank 0 serves the run's store
+ENVIRONMENTS = {"torchrun": "TorchElasticEnvironment", "slurm": "SLURMEnvironment",
+                "kubeflow": "KubeflowEnvironment", "lsf": "LSFEnvironment"}  # fmt: skip
+
+
+def cluster_environment(launcher: str | None):
+    """Lightning's environment for the ranks `launcher` (external_launcher) started; Lightning's plain environment
+    where train.py's agent started them, or for one process."""
+    from lightning.fabric.plugins import environments
+
+    return getattr(environments, ENVIRONMENTS.get(launcher, "LightningEnvironment"))()
 
 
 def external_launcher(world: int) -> str | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line
+from starter.launch.environment import cluster_environment
 from starter.launch.stall import Stall, main_thread_at, read_progress
 from starter.topology import key_prefix
 
@@ -325,15 +326,10 @@ def _torchrun_store(timeout_s: float):
     return rank, world, address, port, served
 
 
-SCHEDULER_ENVIRONMENTS = {"slurm": "SLURMEnvironment", "kubeflow": "KubeflowEnvironment", "lsf": "LSFEnvironment"}
-
-
 def _scheduler_store(launcher: str, timeout_s: float):
     """Where Lightning's environment of the scheduler meets (SLURM: MASTER_ADDR/PORT, else the first node and a port
     from the job id; Kubeflow: MASTER_ADDR/PORT; LSF: the first host of the rank file and MASTER_PORT or the job id)."""
-    from lightning.fabric.plugins import environments
-
-    scheduler = getattr(environments, SCHEDULER_ENVIRONMENTS[launcher])()
+    scheduler = cluster_environment(launcher)
     rank, world = scheduler.global_rank(), scheduler.world_size()
     address, port = scheduler.main_address, scheduler.main_port
     if rank != 0:
