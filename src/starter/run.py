@@ -119,9 +119,9 @@ def start_process(cfg: DictConfig) -> None:
 def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: list, shards_itself: bool) -> L.Trainer:
     """The trainer of `cfg.trainer`, with the strategy and precision of the run, its ranks read by Lightning's
     environment of whoever started every rank (torchrun, SLURM, Kubeflow, LSF), else ours (also inside a SLURM job of
-    fewer tasks, whose SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own (loggers/report.py).
-    Lightning's DistributedSampler goes into the DataLoaders of a DataModule that does not shard itself, unless
-    `trainer.use_distributed_sampler` says otherwise."""
+    fewer tasks, whose SLURM_PROCID would make every worker rank 0). No model summary: the run logs its own
+    (loggers/report.py). Lightning's DistributedSampler goes into the DataLoaders of a DataModule that does not shard
+    itself, unless `trainer.use_distributed_sampler` says otherwise."""
     plugins = [build(p, f"trainer.plugins.{i}") for i, p in enumerate(cfg.trainer.get("plugins") or [])]
     plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
     plugins.append(cluster_environment(external_launcher(layout.world)))
