@@ -23,9 +23,8 @@ FOREIGN = ROOT / "tests" / "foreign"
 SEARCHPATH = f"hydra.searchpath=[file://{FOREIGN / 'conf'}]"
 RECORD = ["+callbacks.samples._target_=probes.RecordSamples", "+callbacks.samples.output=${paths.output_dir}/samples"]
 # Per experiment (2 epochs): training samples, batches an epoch in one process and per rank of two, the global steps
-# a batch makes (manual optimization steps two optimizers), and the global step after which a stop signal is sent:
-# the ranks agree on it at the next logging step (every 10th batch; every 4th for manual, whose 10 batches an epoch
-# would put every 10th at an epoch's end), in the second epoch.
+# a batch makes (manual optimization steps two optimizers), and the global step after which a stop signal is sent
+# (the ranks stop within two optimizer steps, in the second epoch; manual logs every 4th batch).
 EXPERIMENTS = {
     "template": dict(samples=1197, one=19, two=19, steps_per_batch=1, stop=[25]),  # 64 a step, 32 a rank
     "manual": dict(samples=1000, one=20, two=10, steps_per_batch=2, stop=[22, "trainer.log_every_n_steps=4"]),
