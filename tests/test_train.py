@@ -245,14 +245,14 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
         (
             "train.py",
             [f"--config-dir={ROOT / 'tests' / 'foreign' / 'conf'}", "trainer.max_epochs=1", "data=dict_digit"],
-            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards, synthetic,",
+            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards,",
         ),
         ("predict.py", ["strategy=dpp", "inputs=x"], "strategy=dpp: no such option; choose one of auto, ddp,"),
         # a config folder of one's own adds its options (tests/foreign/conf: data=dict_digits, ...)
         (
             "train.py",
             [f"hydra.searchpath=[file://{ROOT / 'tests' / 'foreign' / 'conf'}]", "data=dict_digit"],
-            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards, synthetic,",
+            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards,",
         ),
     ],
 )
