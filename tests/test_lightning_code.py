@@ -287,6 +287,21 @@ def test_a_module_that_parallelizes_itself_trains_what_lightnings_model_parallel
 
 
 @pytest.mark.slow
+def test_a_module_that_parallelizes_itself_is_refused_by_a_pipeline_in_one_line(tmp_path):
+    proc = train(tmp_path, SEARCHPATH, "model=tp_feedforward", "data=none", "strategy=pp", "devices=2", env=PROBES,
+                 expect_ok=False)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert (
+        proc.returncode == 2
+        and len(errors) == 1
+        and errors[0].endswith(
+            "strategy=pp cuts the net into pipeline stages itself, and TensorParallelDigits applies its own parallelism"
+            " in configure_model(); train it with strategy=fsdp or strategy=tp (pipeline_parallel_size=1)"
+        )
+    ), errors
+
+
+@pytest.mark.slow
 def test_a_module_that_owns_its_loaders_runs_without_a_datamodule_split_by_lightnings_sampler(tmp_path):
     steps = {}
     # no DataModule said either way Hydra has: the option data=none, or the group dropped

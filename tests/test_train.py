@@ -241,6 +241,7 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
         ("train.py", ["strategy=fdsp"], "strategy=fdsp: no such option; choose one of auto, ddp, ddp_spawn, dp, fsdp,"),
         ("train.py", ["-m", "seed=1,2", "model=mlp,cnn,mpl"], "model=mpl: no such option; choose one of cnn, mlp,"),
         ("train.py", ["-m", "model=mpl", "seed=1,2"], "model=mpl: no such option; choose one of cnn, mlp,"),
+        ("train.py", ["data=null"], "data=null: no such option; choose one of digits, imagenet, mnist, none, shards,"),
         # --config-dir=DIR (Hydra's = form) is searched, and the overrides after it are read
         (
             "train.py",
