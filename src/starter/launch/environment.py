@@ -45,8 +45,12 @@ SCHEDULERS = {
 }  # fmt: skip
 # Lightning's environment of each launcher that started the ranks: given to the Trainer (Lightning detects SLURM's and
 # torchrun's by itself, not Kubeflow's: its detect() refuses), and read for where rank 0 serves the run's store
-ENVIRONMENTS = {"torchrun": "TorchElasticEnvironment", "slurm": "SLURMEnvironment",
-                "kubeflow": "KubeflowEnvironment", "lsf": "LSFEnvironment"}  # fmt: skip
+ENVIRONMENTS = {
+    "torchrun": "TorchElasticEnvironment",
+    "slurm": "SLURMEnvironment",
+    "kubeflow": "KubeflowEnvironment",
+    "lsf": "LSFEnvironment",
+}
 
 
 def cluster_environment(launcher: str | None):
@@ -64,8 +68,8 @@ def external_launcher(world: int) -> str | None:
     for name, (variables, size) in SCHEDULERS.items():
         if all(variable in os.environ for variable in variables):
             if int(os.environ[size]) != world:
-                raise UserError(f"{name} started {os.environ[size]} processes ({size}) but devices x num_nodes ="
-                                f" {world}; give the sizes it started")  # fmt: skip
+                started = f"{name} started {os.environ[size]} processes ({size})"
+                raise UserError(f"{started} but devices x num_nodes = {world}; give the sizes it started")
             return name
     tasks = slurm_tasks()
     if tasks <= 1:
