@@ -67,8 +67,17 @@ def export(cfg: DictConfig) -> dict:
     try:
         with torch.no_grad():
             if cfg.format == "onnx":
-                torch.onnx.export(pixels, (traced,), out, input_names=["images"], output_names=["logits"],
-                                  dynamic_shapes=batch, dynamo=True, external_data=external, verbose=False)  # fmt: skip
+                torch.onnx.export(
+                    pixels,
+                    (traced,),
+                    out,
+                    input_names=["images"],
+                    output_names=["logits"],
+                    dynamic_shapes=batch,
+                    dynamo=True,
+                    external_data=external,
+                    verbose=False,
+                )
                 import onnxruntime
 
                 session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -85,12 +94,17 @@ def export(cfg: DictConfig) -> dict:
         raise UserError(f"{type(net).__name__} does not export to {cfg.format}: {first}") from err
     if not difference <= float(cfg.tolerance):
         discard(out)
-        raise UserError(f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
-                        f" tolerance={cfg.tolerance}); not kept")  # fmt: skip
+        raise UserError(
+            f"the {cfg.format} model's logits differ from the model's by {difference:.2g} (more than"
+            f" tolerance={cfg.tolerance}); not kept"
+        )
     c, h, w = shape
     beside = f" (its {weights / 1e9:.1f} GB of weights in {out.name}.data: move the two together)" if external else ""
-    print(f"exported {shown(out)}{beside}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out;"
-          f" checked on a batch of 3 against the model: largest difference {difference:.1e}", flush=True)  # fmt: skip
+    print(
+        f"exported {shown(out)}{beside}: uint8 images (N, {c}, {h}, {w}) in, {len(record['classes'])} logits out;"
+        f" checked on a batch of 3 against the model: largest difference {difference:.1e}",
+        flush=True,
+    )
     return {}
 
 

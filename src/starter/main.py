@@ -55,8 +55,9 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
         elif launcher is not None:  # torchrun's workers, srun's tasks: each a rank
             from starter.launch.watchdog import watch_external_ranks
 
-            watchdog = watch_external_ranks(launcher, layout.processes_per_node, cfg.heartbeat_timeout_s,
-                                            cfg.stall_timeout_s)  # fmt: skip
+            watchdog = watch_external_ranks(
+                launcher, layout.processes_per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s
+            )
             with watchdog.reporting():
                 metrics = job_function(job)(OmegaConf.load(config_path))
         else:

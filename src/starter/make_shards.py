@@ -112,9 +112,11 @@ def records_of(dataset, mode: str, check: bool):
         return FileRecords([(str(p), int(y)) for p, y in dataset.samples], mode, check), "imagenet"
     if hasattr(dataset, "images") and hasattr(dataset, "labels"):  # data/in_memory.py's TensorPairs
         return TensorRecords(dataset.images, dataset.labels), "as_is"
-    raise UserError(f"make_shards.py reads splits that are image folders (.samples) or uint8 tensors (.images,"
-                    f" .labels); {type(dataset).__name__} is neither: write its records with litdata.optimize"
-                    " (docs/data.md)")  # fmt: skip
+    raise UserError(
+        f"make_shards.py reads splits that are image folders (.samples) or uint8 tensors (.images,"
+        f" .labels); {type(dataset).__name__} is neither: write its records with litdata.optimize"
+        " (docs/data.md)"
+    )
 
 
 def make_shards(cfg: DictConfig) -> str:
@@ -140,11 +142,19 @@ def make_shards(cfg: DictConfig) -> str:
         if not is_remote(out):
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    description = {"format": FORMAT, "splits": sizes, "image_shape": list(datamodule.image_shape),
-                   "num_classes": int(datamodule.num_classes), "classes": list(datamodule.classes),
-                   "value_range": float(datamodule.value_range), "mean": list(datamodule.mean),
-                   "std": list(datamodule.std), "recipe": recipe, "made_from": str(cfg.data._target_),
-                   "seed": int(cfg.seed)}  # fmt: skip
+    description = {
+        "format": FORMAT,
+        "splits": sizes,
+        "image_shape": list(datamodule.image_shape),
+        "num_classes": int(datamodule.num_classes),
+        "classes": list(datamodule.classes),
+        "value_range": float(datamodule.value_range),
+        "mean": list(datamodule.mean),
+        "std": list(datamodule.std),
+        "recipe": recipe,
+        "made_from": str(cfg.data._target_),
+        "seed": int(cfg.seed),
+    }
     _write_last(staging, out, json.dumps(description, indent=1))
     return f"shards of {sizes} records -> {out}; train from them: python train.py data=shards data.source={out}"
 

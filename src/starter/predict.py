@@ -26,8 +26,10 @@ def prepare(cfg: DictConfig) -> Layout:
     whole_number("batch_size", cfg.batch_size, 1)
     layout, traits = settle(cfg, cfg.batch_size), Traits.of(cfg.strategy)
     if not traits.whole_weights:
-        raise UserError(f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
-                        " a checkpoint of any strategy loads into either")  # fmt: skip
+        raise UserError(
+            f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
+            " a checkpoint of any strategy loads into either"
+        )
     settle_weights(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +115,10 @@ def write_predictions(path: Path, rows: list, paths: list[str], classes: list[st
             line = [paths[index], classes[top[0]], f"{chances[0]:.4f}"]
             out.writerow(line + ([" ".join(f"{classes[c]}:{p:.4f}" for c, p in zip(top, chances))] if top_k else []))
     if skipped := len(paths) - len(rows):
-        log.warning("%d of %d inputs unreadable and skipped (skip_unreadable=true): the warnings above name them",
-                    skipped, len(paths))  # fmt: skip
+        log.warning(
+            "%d of %d inputs unreadable and skipped (skip_unreadable=true): the warnings above name them",
+            skipped,
+            len(paths),
+        )
     first = path.read_text().splitlines()[: SHOWN + 1]
     print(f"{len(rows)} predictions in {shown(path)}:", *first, sep="\n", file=sys.stdout, flush=True)

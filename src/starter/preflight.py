@@ -41,8 +41,9 @@ def prepare(cfg: DictConfig) -> Layout:
     modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
     for name in cfg.get("logger") or {}:
         if name in extras and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
-            raise UserError(f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]'"
-                            f" (or pip install {name})")  # fmt: skip
+            raise UserError(
+                f"logger={name} needs the {name} package: pip install -e '.[{extras[name]}]' (or pip install {name})"
+            )
     if cfg.get("init_from"):
         if not Path(cfg.init_from).is_file():
             raise UserError(f"init_from={cfg.init_from}: no such file")
@@ -83,8 +84,10 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Layout:
     if str(cfg.precision) not in PRECISIONS:
         raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
     if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
-        raise UserError(f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
-                        " SIGUSR1, SIGUSR2")  # fmt: skip
+        raise UserError(
+            f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
+            " SIGUSR1, SIGUSR2"
+        )
     _settle_accelerator_and_devices(cfg)
     if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
         raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
@@ -128,13 +131,16 @@ def _settle_accelerator_and_devices(cfg: DictConfig) -> None:
         log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
     elif isinstance(devices, (list, tuple, ListConfig)):
         if not on_gpu:
-            raise UserError(f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g."
-                            f" devices={len(devices)}")  # fmt: skip
+            raise UserError(
+                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
+            )
         if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
             raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
     elif on_gpu and device_count(devices) > gpus:
-        raise UserError(f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
-                        f" (or accelerator=cpu for {devices} CPU processes)")  # fmt: skip
+        raise UserError(
+            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
+            f" (or accelerator=cpu for {devices} CPU processes)"
+        )
 
 
 # full examples: begin
@@ -157,9 +163,11 @@ def settle_num_classes(cfg: DictConfig) -> None:
         return
     train = Path(cfg.data.root) / "train"
     if not train.is_dir():
-        raise UserError(f"no directory {train}: data.num_classes is read from its class folders; point data.root"
-                        " at a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give"
-                        " data.num_classes")  # fmt: skip
+        raise UserError(
+            f"no directory {train}: data.num_classes is read from its class folders; point data.root"
+            " at a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give"
+            " data.num_classes"
+        )
     cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
 
 
@@ -171,11 +179,15 @@ def _check_processes(cfg: DictConfig, traits: Traits) -> None:
     if int(cfg.num_nodes) > 1:
         raise UserError(f"strategy={name} is one process on one machine; use strategy=ddp for several nodes")
     if traits.devices_per_process == "one" and devices > 1:
-        raise UserError(f"strategy={name} runs one process on one device, but devices={devices}; "
-                        f"use strategy=ddp (or ddp_spawn) for {devices} processes")  # fmt: skip
+        raise UserError(
+            f"strategy={name} runs one process on one device, but devices={devices}; "
+            f"use strategy=ddp (or ddp_spawn) for {devices} processes"
+        )
     if devices > 1 and device_type(cfg) == "cpu":
-        raise UserError(f"strategy={name} splits each batch over CUDA GPUs and this run is on CPU; "
-                        f"use strategy=ddp devices={devices} for {devices} CPU processes")  # fmt: skip
+        raise UserError(
+            f"strategy={name} splits each batch over CUDA GPUs and this run is on CPU; "
+            f"use strategy=ddp devices={devices} for {devices} CPU processes"
+        )
     if traits.devices_per_process == "all" and devices == 1:
         log.info("strategy=%s with devices=1 is single-device training: there is nothing to split", name)
 
@@ -184,25 +196,36 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
     """What the run asks for against what the strategy declares (conf/strategy/<name>.yaml, `traits`)."""
     name = cfg.strategy.name
     if cfg.get("compile") and (reason := why_not(traits.compiles)) is not None:
-        raise UserError(f"compile=true with strategy={name}: {reason or 'not supported'}; use strategy=ddp"
-                        " (or strategy=auto on one device)")  # fmt: skip
+        raise UserError(
+            f"compile=true with strategy={name}: {reason or 'not supported'}; use strategy=ddp"
+            " (or strategy=auto on one device)"
+        )
     if cfg.precision == "16-mixed" and (reason := why_not(traits.scales_fp16)) is not None:
-        raise UserError(f"strategy={name} cannot scale fp16 losses (16-mixed): {reason or 'not supported'};"
-                        " use precision=bf16-mixed")  # fmt: skip
+        raise UserError(
+            f"strategy={name} cannot scale fp16 losses (16-mixed): {reason or 'not supported'};"
+            " use precision=bf16-mixed"
+        )
     if cfg.trainer.get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
-        raise UserError(f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave"
-                        " gradient clipping off")  # fmt: skip
+        raise UserError(
+            f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave gradient clipping off"
+        )
     averaging = (cfg.get("callbacks") or {}).get("weight_averaging") or {}
     if averaging.get("decay") is not None and not traits.whole_weights:
-        raise UserError(f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each"
-                        f" process; strategy={name} shards them. Use strategy=ddp, or"
-                        " callbacks.weight_averaging.decay=null")  # fmt: skip
+        raise UserError(
+            f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each"
+            f" process; strategy={name} shards them. Use strategy=ddp, or"
+            " callbacks.weight_averaging.decay=null"
+        )
     if cfg.get("sync_batchnorm") and layout.world > 1:
         if not traits.syncs_batchnorm:
             raise UserError(f"sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy={name}")
         if device_type(cfg) == "cpu":
-            raise UserError("sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
-                            " on CPU each process normalises with its own batch statistics")  # fmt: skip
+            raise UserError(
+                "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
+                " on CPU each process normalises with its own batch statistics"
+            )
     if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
-        raise UserError(f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
-                        " CPU already; leave it false")  # fmt: skip
+        raise UserError(
+            f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
+            " CPU already; leave it false"
+        )

@@ -80,8 +80,11 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
                 trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         except SIGTERMException:
             if trainer.is_global_zero:
-                log.warning("stopped by a stop signal at step %d after saving checkpoints/last.ckpt; resume with"
-                            " ckpt_path=last", trainer.global_step)  # fmt: skip
+                log.warning(
+                    "stopped by a stop signal at step %d after saving checkpoints/last.ckpt; resume with"
+                    " ckpt_path=last",
+                    trainer.global_step,
+                )
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)
@@ -126,9 +129,16 @@ def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: lis
     plugins.append(precision_plugin(str(cfg.precision), device_type(cfg), Traits.of(cfg.strategy).whole_weights))
     plugins.append(cluster_environment(external_launcher(layout.world)))
     sampler = cfg.trainer.get("use_distributed_sampler")
-    return build(cfg.trainer, "trainer", enable_model_summary=False, strategy=build_strategy(cfg.strategy, layout),
-                 callbacks=callbacks, logger=loggers or False, plugins=plugins,
-                 use_distributed_sampler=not shards_itself if sampler is None else sampler)  # fmt: skip
+    return build(
+        cfg.trainer,
+        "trainer",
+        enable_model_summary=False,
+        strategy=build_strategy(cfg.strategy, layout),
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=plugins,
+        use_distributed_sampler=not shards_itself if sampler is None else sampler,
+    )
 
 
 def end_process_group() -> None:

@@ -78,10 +78,12 @@ class Layout:
             sizes += f" x strategy.pipeline_parallel_size={pp}" if pp > 1 else ""
             raise UserError(f"{sizes} does not divide the {layout.world} processes (devices x num_nodes)")
         if per_node % tp:  # tensor parallel is innermost: groups of consecutive processes, within a node if it divides
-            raise UserError(f"strategy.tensor_parallel_size={tp} would span nodes ({per_node} processes per node):"
-                            " tensor parallel all-reduces every layer's output and needs a node's links; use a size"
-                            f" that divides devices={per_node} (strategy=fsdp strategy.tensor_parallel_size={per_node}:"
-                            " tensor parallel in each node, fsdp across)")  # fmt: skip
+            raise UserError(
+                f"strategy.tensor_parallel_size={tp} would span nodes ({per_node} processes per node):"
+                " tensor parallel all-reduces every layer's output and needs a node's links; use a size"
+                f" that divides devices={per_node} (strategy=fsdp strategy.tensor_parallel_size={per_node}:"
+                " tensor parallel in each node, fsdp across)"
+            )
         return cls(layout.nodes, per_node, tp, pp)
 
 
@@ -138,6 +140,8 @@ def per_process_batch(global_batch: int, data_parallel: int) -> int:
     """The share of the global batch one process loads, when `data_parallel` groups load different batches."""
     if global_batch % data_parallel:
         example = max(data_parallel, global_batch // data_parallel * data_parallel)
-        raise UserError(f"data.batch_size={global_batch} is the global batch and does not divide by the {data_parallel}"
-                        f" processes; use a multiple of {data_parallel}, e.g. data.batch_size={example}")  # fmt: skip
+        raise UserError(
+            f"data.batch_size={global_batch} is the global batch and does not divide by the {data_parallel}"
+            f" processes; use a multiple of {data_parallel}, e.g. data.batch_size={example}"
+        )
     return global_batch // data_parallel

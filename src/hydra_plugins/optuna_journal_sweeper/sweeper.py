@@ -39,8 +39,9 @@ class OptunaJournalSweeperConf:
     params: dict = field(default_factory=dict)  # key: choice(...) | interval(a, b) | tag(log, interval(a, b)) | range
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="optuna_journal", node=OptunaJournalSweeperConf,
-                             provider="optuna_journal_sweeper")  # fmt: skip
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="optuna_journal", node=OptunaJournalSweeperConf, provider="optuna_journal_sweeper"
+)
 
 
 class OptunaJournalSweeper(Sweeper):
@@ -52,8 +53,9 @@ class OptunaJournalSweeper(Sweeper):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         self.config = config
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)  # fmt: skip
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> None:
         import optuna
@@ -63,9 +65,14 @@ class OptunaJournalSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         storage = self.storage or f"journal:{sweep_dir / JOURNAL}"
-        study = optuna.create_study(study_name=self.study_name, storage=open_storage(storage),
-                                    sampler=built(self.sampler), pruner=built(self.pruner), direction=self.direction,
-                                    load_if_exists=True)  # fmt: skip
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=open_storage(storage),
+            sampler=built(self.sampler),
+            pruner=built(self.pruner),
+            direction=self.direction,
+            load_if_exists=True,
+        )
         if study.trials:  # a seeded sampler would draw its first points again: the study goes on from new ones
             study.sampler.reseed_rng()
         searched, fixed = search_space(self.params, arguments)
@@ -189,6 +196,12 @@ def write_results(study, path: Path) -> None:
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     best = study.best_trial if complete else None
     pruned = [t.number for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
-    results = {"name": "optuna", "best_trial": best and best.number, "best_params": best.params if best else {},
-               "best_value": best and best.value, "trials": len(study.trials), "pruned_trials": pruned}  # fmt: skip
+    results = {
+        "name": "optuna",
+        "best_trial": best and best.number,
+        "best_params": best.params if best else {},
+        "best_value": best and best.value,
+        "trials": len(study.trials),
+        "pruned_trials": pruned,
+    }
     OmegaConf.save(OmegaConf.create(results), path)

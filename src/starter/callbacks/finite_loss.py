@@ -57,5 +57,7 @@ class StopOnNonFiniteLoss(L.Callback):
             return
         step, epoch, batch = self.positions[first]
         value = float(self.bad_loss) if mine == first else "not finite"
-        raise UserError(f"the training loss is {value} at step {step} (epoch {epoch}, batch {batch});"
-                        " lower model.optimizer.lr, or check the data for NaN/inf")  # fmt: skip
+        raise UserError(
+            f"the training loss is {value} at step {step} (epoch {epoch}, batch {batch});"
+            " lower model.optimizer.lr, or check the data for NaN/inf"
+        )

@@ -9,8 +9,9 @@ import lightning as L
 log = logging.getLogger(__name__)
 
 
-def optuna_pruning(monitor: str, trial: int | None = None, study: str | None = None, storage: str | None = None,
-                   pruner=None) -> "OptunaPruning | None":  # fmt: skip
+def optuna_pruning(
+    monitor: str, trial: int | None = None, study: str | None = None, storage: str | None = None, pruner=None
+) -> "OptunaPruning | None":
     """The callback of the trial the sweeper names (`trial`, `study`, `storage`); None when it names none."""
     return None if trial is None else OptunaPruning(monitor, int(trial), str(study), str(storage), pruner)
 
@@ -30,9 +31,13 @@ class OptunaPruning(L.Callback):
             prune = trial.should_prune()
             if prune:
                 trial.set_user_attr("pruned_at_epoch", trainer.current_epoch)
-                log.info("optuna: trial %d pruned after epoch %d (%s %.4g falls behind the study's other trials)",
-                         self.number, trainer.current_epoch + 1, self.monitor,
-                         float(trainer.callback_metrics[self.monitor]))  # fmt: skip
+                log.info(
+                    "optuna: trial %d pruned after epoch %d (%s %.4g falls behind the study's other trials)",
+                    self.number,
+                    trainer.current_epoch + 1,
+                    self.monitor,
+                    float(trainer.callback_metrics[self.monitor]),
+                )
         if trainer.strategy.broadcast(prune, src=0):  # at validation's end, where the ranks wait for each other
             trainer.should_stop = True
 

@@ -82,8 +82,10 @@ class EpochLines(ProgressBar):
         if not self.enabled:
             return
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
-        parts = [f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
-                 f" {time.monotonic() - self.started:.1f} s"]  # fmt: skip
+        parts = [
+            f"epoch {trainer.current_epoch + 1}{epochs}: {trainer.global_step - self.first_step} steps in"
+            f" {time.monotonic() - self.started:.1f} s"
+        ]
         step, training = self.training
         # each figure once: the epoch's where the module logs one for the bar (a value logged on_epoch only is last
         # epoch's at this epoch's logging steps)

@@ -26,15 +26,21 @@ class ResumeSchedule(L.Callback):
             if planned is None:
                 continue
             restored = config.scheduler.state_dict()
-            changed = {k: (restored.get(k), v) for k, v in planned.state_dict().items()
-                       if k not in PROGRESS_KEYS and restored.get(k) != v}  # fmt: skip
+            changed = {
+                k: (restored.get(k), v)
+                for k, v in planned.state_dict().items()
+                if k not in PROGRESS_KEYS and restored.get(k) != v
+            }
             if not changed:
                 continue
             what = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changed.items())
             say = log.warning if trainer.is_global_zero else log.debug
             if self.mode == "saved":
-                say("resumed lr schedule continues as saved (the config now says %s);"
-                    " resume_lr_schedule=replan follows the config from here", what)  # fmt: skip
+                say(
+                    "resumed lr schedule continues as saved (the config now says %s);"
+                    " resume_lr_schedule=replan follows the config from here",
+                    what,
+                )
                 continue
             with warnings.catch_warnings():  # torch warns that this optimizer never stepped: it never will
                 warnings.simplefilter("ignore")
@@ -43,9 +49,12 @@ class ResumeSchedule(L.Callback):
             config.scheduler.load_state_dict(planned.state_dict())
             for live, fresh in zip(config.scheduler.optimizer.param_groups, planned_optimizer.param_groups):
                 live["lr"] = fresh["lr"]
-            say("resumed lr schedule re-planned from the config (%s), lr now %s;"
-                " resume_lr_schedule=saved keeps the checkpoint's", what,
-                ", ".join(f"{g['lr']:.3g}" for g in planned_optimizer.param_groups))  # fmt: skip
+            say(
+                "resumed lr schedule re-planned from the config (%s), lr now %s;"
+                " resume_lr_schedule=saved keeps the checkpoint's",
+                what,
+                ", ".join(f"{g['lr']:.3g}" for g in planned_optimizer.param_groups),
+            )
 
 
 def planned_schedules(pl_module) -> list:

@@ -18,8 +18,11 @@ def local_bytes(tensors) -> int:
 def state_bytes(module: torch.nn.Module, optimizers) -> dict[str, int]:
     params = list(module.parameters())
     optimizer_tensors = [v for opt in optimizers for state in opt.state.values() for v in state.values()]
-    return {"parameters": local_bytes(params), "gradients": local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": local_bytes(optimizer_tensors)}  # fmt: skip
+    return {
+        "parameters": local_bytes(params),
+        "gradients": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(optimizer_tensors),
+    }
 
 
 def peak_memory(device: torch.device) -> int:

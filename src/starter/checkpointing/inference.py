@@ -79,6 +79,8 @@ def _saved(path: Path) -> dict:
     with refusing_pickled_code(path):
         saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or "model" not in saved.get("inference", {}):
-        raise UserError(f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
-                        " use a checkpoint or model.pt that this starter's training wrote")  # fmt: skip
+        raise UserError(
+            f"ckpt_path={path} holds no inference record (the model's config, normalisation, classes):"
+            " use a checkpoint or model.pt that this starter's training wrote"
+        )
     return saved

@@ -29,11 +29,18 @@ def load_initial_weights(model: torch.nn.Module, path: Path, builders: set[str])
         state = {f"net.{k}": v for k, v in state.items()}
     if net is not None:
         head = f"net.{head_name(net)}"
-        other = [k for k in (f"{head}.weight", f"{head}.bias") if k in state and k in own
-                 and state[k].shape != own[k].shape]  # fmt: skip
+        other = [
+            k for k in (f"{head}.weight", f"{head}.bias") if k in state and k in own and state[k].shape != own[k].shape
+        ]
         if other:
-            log.info("init_from=%s: its head (%s) has %d outputs, this model %d classes: the head starts freshly"
-                        " initialised", path, head, len(state[other[0]]), len(own[other[0]]))  # fmt: skip
+            log.info(
+                "init_from=%s: its head (%s) has %d outputs, this model %d classes: the head starts freshly"
+                " initialised",
+                path,
+                head,
+                len(state[other[0]]),
+                len(own[other[0]]),
+            )
             state |= {k: own[k] for k in other}
     if mismatch := weights_mismatch(own, state):
         raise UserError(f"init_from={path} holds weights of another model ({mismatch}); use weights of this net")

@@ -93,8 +93,9 @@ def check_sharded(path: Path, strategy: str) -> None:
         return
     saved = saved_config(path)
     if strategy != (writer := str(saved.strategy.name) if saved is not None else "fsdp"):
-        raise UserError(f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with"
-                        f" strategy={writer}")  # fmt: skip
+        raise UserError(
+            f"ckpt_path={path} is a sharded ({writer}) checkpoint; resume or evaluate it with strategy={writer}"
+        )
     from starter.checkpointing.sharded_read import read_metadata
 
     read_metadata(path)
@@ -120,8 +121,10 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
         mine = leaves(OmegaConf.to_container(model_cfg, resolve=True))
         differ = [f"model.{key}={value}" for key, value in theirs.items() if mine.get(key) != value]
         differ = " ".join(differ[:5] + (["..."] if len(differ) > 5 else []))
-        raise UserError(f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
-                        f" the run that saved it{': ' + differ if differ else ''}")  # fmt: skip
+        raise UserError(
+            f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
+            f" the run that saved it{': ' + differ if differ else ''}"
+        )
 
 
 def weights_mismatch(expected: dict, found: dict) -> str | None:

@@ -24,9 +24,19 @@ class ShardedDataModule(L.LightningDataModule):
     # and its loaders shard the data themselves, so no sampler of Lightning's is put in (preflight.py, run.py).
     shards_itself = True
 
-    def __init__(self, batch_size: int, image_shape: list[int], num_classes: int, seed: int = 0, num_workers: int = 0,
-                 pin_memory: bool = True, persistent_workers: bool = False, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0, ra_reps: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        batch_size: int,
+        image_shape: list[int],
+        num_classes: int,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        persistent_workers: bool = False,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        ra_reps: int = 0,
+    ):
         super().__init__()
         self.batch_size, self.image_shape, self.num_classes = int(batch_size), tuple(image_shape), int(num_classes)
         self.seed, self.num_workers, self.pin_memory = int(seed), int(num_workers), bool(pin_memory)
@@ -60,17 +70,21 @@ class ShardedDataModule(L.LightningDataModule):
         # wait for the GPU's queued work every step.
         # A generator of the loader's own: its iterators draw their workers' seeds from it, not from the process's
         # generators (which dropout draws from, and a resume restores: callbacks/random_state.py).
-        options = dict(collate_fn=getattr(dataset, "collate_fn", None), num_workers=self.num_workers,
-                       pin_memory=self.pin_memory and self._feeds_cuda(),
-                       persistent_workers=self.persistent_workers,
-                       generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
+        options = dict(
+            collate_fn=getattr(dataset, "collate_fn", None),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and self._feeds_cuda(),
+            persistent_workers=self.persistent_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
         if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
             # process's fork server, never from this threaded process; it imports what the workers unpickle
             from starter.launch.fork_server import fork_server
 
             unpickled_from = (type(dataset).__module__, seed_worker.__module__)
-            options |= dict(worker_init_fn=partial(seed_worker, rank=rank),
-                            multiprocessing_context=fork_server(unpickled_from))  # fmt: skip
+            options |= dict(
+                worker_init_fn=partial(seed_worker, rank=rank), multiprocessing_context=fork_server(unpickled_from)
+            )
         if split == "train":
             if self.ra_reps > 0:
                 sampler = RepeatedAugmentationSampler(dataset, world, rank, self.ra_reps, seed=self.seed)
@@ -102,9 +116,15 @@ class ShardedDataModule(L.LightningDataModule):
 
     def inference(self) -> dict:
         """What predicting from raw images needs, saved with the weights (checkpointing/inference.py)."""
-        return {"image_shape": list(self.image_shape), "value_range": float(self.value_range), "mean": list(self.mean),
-                "std": list(self.std), "classes": list(self.classes), "resize": self.eval_resize,
-                "crop": self.eval_crop}  # fmt: skip
+        return {
+            "image_shape": list(self.image_shape),
+            "value_range": float(self.value_range),
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "classes": list(self.classes),
+            "resize": self.eval_resize,
+            "crop": self.eval_crop,
+        }
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32, zero mean and unit variance per channel, on the device they are on."""
@@ -131,8 +151,9 @@ class ShardedDataModule(L.LightningDataModule):
     def _check_shape(self, name: str, shape: tuple[int, ...], num_classes: int) -> None:
         if tuple(shape) != self.image_shape or num_classes != self.num_classes:
             config = f"data.image_shape={list(self.image_shape)} data.num_classes={self.num_classes}"
-            raise UserError(f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says"
-                            f" {config}")  # fmt: skip
+            raise UserError(
+                f"{name} has images of shape {list(shape)} in {num_classes} classes, but the config says {config}"
+            )
 
 
 def batch_mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
@@ -150,8 +171,9 @@ class ImagesToPredict(ShardedDataModule):
     """Image files to predict (predict.py), each prepared as the model's evaluation saw its data (the inference record
     its weights carry); each process its unpadded share, in the files' order."""
 
-    def __init__(self, paths: list[str], inference: dict, batch_size: int, num_workers: int = 0,
-                 skip_unreadable: bool = False):  # fmt: skip
+    def __init__(
+        self, paths: list[str], inference: dict, batch_size: int, num_workers: int = 0, skip_unreadable: bool = False
+    ):
         from starter.data.image_files import FilesToPredict, evaluation_transform
 
         shape = inference["image_shape"]

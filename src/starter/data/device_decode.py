@@ -43,14 +43,18 @@ def decode_batch(images: tuple[torch.Tensor, torch.Tensor], device: torch.device
     starts = lengths.cumsum(0) - lengths
     heads = starts[:, None] + torch.arange(len(JPEG_START))
     if bool((lengths < len(JPEG_START)).any()) or not bool((flat[heads] == torch.tensor(JPEG_START)).all()):
-        raise UserError("data.decode=gpu decodes JPEG images only and a batch holds another format (PNG, say):"
-                        " use data.decode=cpu for this data")  # fmt: skip
+        raise UserError(
+            "data.decode=gpu decodes JPEG images only and a batch holds another format (PNG, say):"
+            " use data.decode=cpu for this data"
+        )
     mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
     try:
         images = _decode_aside(partial(decode_jpeg, list(flat.split(lengths.tolist())), mode=mode), device)
     except RuntimeError as err:
-        raise UserError(f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
-                        " data.decode=cpu to have it named") from err  # fmt: skip
+        raise UserError(
+            f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
+            " data.decode=cpu to have it named"
+        ) from err
     return torch.stack([transform(image) for image in images] if transform else images)
 
 

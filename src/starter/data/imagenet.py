@@ -17,8 +17,14 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 log = logging.getLogger(__name__)
 
 
-def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int, val_crop_size: int,
-                        auto_augment: str | None = None, random_erase: float = 0.0):  # fmt: skip
+def imagenet_transforms(
+    train: bool,
+    train_crop_size: int,
+    val_resize_size: int,
+    val_crop_size: int,
+    auto_augment: str | None = None,
+    random_erase: float = 0.0,
+):
     """uint8 image -> uint8 crop, as torchvision's recipe builds it; random erasing fills with the mean colour (the
     recipe's zero after normalisation, which happens on the device)."""
     from torchvision.transforms import v2
@@ -26,8 +32,11 @@ def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int,
     if not train:
         return evaluation_transform(val_resize_size, val_crop_size)
     steps = [v2.RandomResizedCrop(train_crop_size, antialias=True), v2.RandomHorizontalFlip()]
-    policies = {"ta_wide": v2.TrivialAugmentWide, "ra": v2.RandAugment,
-                "imagenet": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)}  # fmt: skip
+    policies = {
+        "ta_wide": v2.TrivialAugmentWide,
+        "ra": v2.RandAugment,
+        "imagenet": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
+    }
     if auto_augment is not None:
         if auto_augment not in policies:
             raise UserError(f"data.auto_augment={auto_augment}: choose one of {', '.join(policies)} or null")
@@ -38,10 +47,21 @@ def imagenet_transforms(train: bool, train_crop_size: int, val_resize_size: int,
 
 
 class ImageFolderDataModule(ShardedDataModule):
-    def __init__(self, root: str, batch_size: int = 256, num_workers: int = 8, seed: int = 42,
-                 skip_unreadable: bool = False, train_crop_size: int | None = None, val_resize_size: int | None = None,
-                 val_crop_size: int | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
-                 decode: str = "cpu", **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 256,
+        num_workers: int = 8,
+        seed: int = 42,
+        skip_unreadable: bool = False,
+        train_crop_size: int | None = None,
+        val_resize_size: int | None = None,
+        val_crop_size: int | None = None,
+        auto_augment: str | None = None,
+        random_erase: float = 0.0,
+        decode: str = "cpu",
+        **kwargs,
+    ):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, **kwargs)
         self.decode = check_decode(decode)
         self.pin_memory = self.pin_memory and self.decode == "cpu"  # decode=gpu: the decoder reads host memory
@@ -73,18 +93,23 @@ class ImageFolderDataModule(ShardedDataModule):
         if train.classes != val.classes:
             only_train = sorted(set(train.classes) - set(val.classes))
             only_val = sorted(set(val.classes) - set(train.classes))
-            raise UserError(f"class folders of {self.root}/train and {self.root}/val differ: only in train"
-                            f" {only_train}, only in val {only_val}; every class needs a folder in both")  # fmt: skip
+            raise UserError(
+                f"class folders of {self.root}/train and {self.root}/val differ: only in train"
+                f" {only_train}, only in val {only_val}; every class needs a folder in both"
+            )
         if len(train.classes) != self.num_classes:
-            raise UserError(f"{self.root}/train has {len(train.classes)} class folders but data.num_classes="
-                            f"{self.num_classes}; set data.num_classes={len(train.classes)}")  # fmt: skip
+            raise UserError(
+                f"{self.root}/train has {len(train.classes)} class folders but data.num_classes="
+                f"{self.num_classes}; set data.num_classes={len(train.classes)}"
+            )
         self.train_set, self.val_set, self.test_set = train, val, val
         self.classes = train.classes
 
     def recipe(self, train: bool):
         """torchvision's recipe for a training or an evaluation image (uint8 in, uint8 out)."""
-        return imagenet_transforms(train, self.train_crop_size, self.val_resize_size, self.val_crop_size,
-                                   self.auto_augment, self.random_erase)  # fmt: skip
+        return imagenet_transforms(
+            train, self.train_crop_size, self.val_resize_size, self.val_crop_size, self.auto_augment, self.random_erase
+        )
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         if self.decode == "cpu":
@@ -104,8 +129,10 @@ class ImageFolderDataModule(ShardedDataModule):
     def _folder(self, split: str, train: bool):
         directory = self.root / split
         if not directory.is_dir():
-            raise UserError(f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
-                            f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree")  # fmt: skip
+            raise UserError(
+                f"no directory {directory}: data=imagenet expects {self.root}/train/<class>/*.JPEG and"
+                f" {self.root}/val/<class>/*.JPEG; point data.root at such a tree"
+            )
         loader = partial(load_image, mode="RGB" if self.image_shape[0] == 3 else "L")
         on_host = self.decode == "cpu"  # else the loader workers only read the files' bytes
         try:

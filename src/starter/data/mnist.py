@@ -45,6 +45,8 @@ class MNISTDataModule(ShardedDataModule):
         except (RuntimeError, OSError) as err:
             raw = self.data_dir / "MNIST" / "raw"
             how = f"the download failed ({err})" if download else "data.download=false"
-            raise UserError(f"MNIST not found in {raw} and {how}; put {', '.join(RAW_FILES)} there (the .gz files"
-                            " also do, with data.download=true), or set paths.data_dir to the directory holding"
-                            " MNIST/raw") from err  # fmt: skip
+            raise UserError(
+                f"MNIST not found in {raw} and {how}; put {', '.join(RAW_FILES)} there (the .gz files"
+                " also do, with data.download=true), or set paths.data_dir to the directory holding"
+                " MNIST/raw"
+            ) from err

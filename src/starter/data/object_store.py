@@ -59,9 +59,16 @@ def _downloader_class():
                 credentials = boto3.Session().get_credentials().get_frozen_credentials()  # the standard AWS chain
                 token = {"token": credentials.token} if credentials.token else {}
                 region = self._client.client.meta.region_name or "us-east-1"
-                store = S3Store(bucket, endpoint=endpoint, virtual_hosted_style_request=False, region=region,
-                                access_key_id=credentials.access_key, secret_access_key=credentials.secret_key,
-                                **token, client_options={"allow_http": True, "timeout": "200s"})  # fmt: skip
+                store = S3Store(
+                    bucket,
+                    endpoint=endpoint,
+                    virtual_hosted_style_request=False,
+                    region=region,
+                    access_key_id=credentials.access_key,
+                    secret_access_key=credentials.secret_key,
+                    **token,
+                    client_options={"allow_http": True, "timeout": "200s"},
+                )
                 self._plain_http_store = (key, store)
             return self._plain_http_store[1]
 

@@ -17,8 +17,15 @@ class ShardRecords(Dataset):
     """Record i: (image, label); `mode` RGB or L decodes the image (then `transform`), `encoded` keeps its bytes (a
     1-D uint8 tensor, for decoding on the device: data.decode=gpu)."""
 
-    def __init__(self, url: str, length: int, mode: str, transform=None, cache_dir: str | None = None,
-                 max_cache_size: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        length: int,
+        mode: str,
+        transform=None,
+        cache_dir: str | None = None,
+        max_cache_size: str | None = None,
+    ):
         self.url, self.length, self.mode, self.transform = url, int(length), mode, transform
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         self.collate_fn = collate_encoded if mode == "encoded" else None
@@ -61,8 +68,10 @@ class ShardRecords(Dataset):
         except Exception as err:  # the store refused or went away (after the store client's own retries)
             raise UserError(f"cannot read record {index} of {self.url}: {_reason(err)}") from err
         if record.get("index") != index:
-            raise UserError(f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
-                            " order: make it again with make_shards.py")  # fmt: skip
+            raise UserError(
+                f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
+                " order: make it again with make_shards.py"
+            )
         if self.mode == "encoded":
             return record["image"].clone(), record["label"]  # litdata's tensor is a view of the chunk it read
         try:

@@ -64,12 +64,16 @@ def describe(source: str) -> dict:
     """The finished shard set's description: split sizes, image shape, classes, normalisation, recipe."""
     text = read_text(join(source, DESCRIPTION))
     if text is None:
-        raise UserError(f"data.source={source}: no finished shard set there (no {DESCRIPTION}); make one with"
-                        f" python make_shards.py data=<digits | mnist | imagenet | yours> out={source}")  # fmt: skip
+        raise UserError(
+            f"data.source={source}: no finished shard set there (no {DESCRIPTION}); make one with"
+            f" python make_shards.py data=<digits | mnist | imagenet | yours> out={source}"
+        )
     description = json.loads(text)
     if description.get("format") != FORMAT:
-        raise UserError(f"data.source={source}: a shard set of format {description.get('format')}; this starter"
-                        f" reads format {FORMAT}: make it again with make_shards.py")  # fmt: skip
+        raise UserError(
+            f"data.source={source}: a shard set of format {description.get('format')}; this starter"
+            f" reads format {FORMAT}: make it again with make_shards.py"
+        )
     for split in [split for split, size in description["splits"].items() if size != "val"]:  # test may be val
         check_index(join(source, split, INDEX))
     return description

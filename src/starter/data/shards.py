@@ -34,9 +34,14 @@ class ShardsDataModule(ImageFolderDataModule):
     def _split(self, split: str, length: int) -> ShardRecords:
         mode = "RGB" if self.image_shape[0] == 3 else "L"
         on_host = self.decode == "cpu"  # else records go out encoded, decoded on the device
-        return ShardRecords(join(self.source, split), length, mode if on_host else "encoded",
-                            self.recipe(split == "train") if on_host else None, self.cache_dir,
-                            self.max_cache_size)  # fmt: skip
+        return ShardRecords(
+            join(self.source, split),
+            length,
+            mode if on_host else "encoded",
+            self.recipe(split == "train") if on_host else None,
+            self.cache_dir,
+            self.max_cache_size,
+        )
 
     def unreadable_images(self) -> list[str]:
         return []  # a bad record stops the run, naming its shard and index

@@ -10,8 +10,15 @@ from starter.data.in_memory import random_images
 
 
 class SyntheticDataModule(ShardedDataModule):
-    def __init__(self, batch_size: int = 64, train_size: int = 2048, eval_size: int = 256, seed: int = 42,
-                 on_device: bool = False, **kw):  # fmt: skip
+    def __init__(
+        self,
+        batch_size: int = 64,
+        train_size: int = 2048,
+        eval_size: int = 256,
+        seed: int = 42,
+        on_device: bool = False,
+        **kw,
+    ):
         super().__init__(batch_size=batch_size, seed=seed, **kw)
         self.train_size, self.eval_size, self.on_device = int(train_size), int(eval_size), bool(on_device)
         self._device_pools: dict[str, torch.Tensor] = {}

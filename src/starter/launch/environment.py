@@ -75,9 +75,11 @@ def external_launcher(world: int) -> str | None:
     if tasks <= 1:
         return None
     if tasks != world:
-        raise UserError(f"SLURM started {tasks} tasks but devices x num_nodes = {world}; ask SLURM for one task"
-                        " per device (--ntasks-per-node=<devices>), or for one task (--ntasks=1) and let"
-                        " train.py start the workers")  # fmt: skip
+        raise UserError(
+            f"SLURM started {tasks} tasks but devices x num_nodes = {world}; ask SLURM for one task"
+            " per device (--ntasks-per-node=<devices>), or for one task (--ntasks=1) and let"
+            " train.py start the workers"
+        )
     return "slurm"
 
 
@@ -101,9 +103,11 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
     if (device_count(cfg.devices), int(cfg.num_nodes)) == (local, nodes):
         return
     if (device_count(cfg.devices), int(cfg.num_nodes)) != (1, 1):
-        raise UserError(f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local}"
-                        f" process(es) per node on {nodes} node(s); use devices={local} num_nodes={nodes}, or"
-                        " leave both out")  # fmt: skip
+        raise UserError(
+            f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local}"
+            f" process(es) per node on {nodes} node(s); use devices={local} num_nodes={nodes}, or"
+            " leave both out"
+        )
     log.info("torchrun: devices=%d num_nodes=%d (from LOCAL_WORLD_SIZE and WORLD_SIZE)", local, nodes)
     cfg.devices, cfg.num_nodes = local, nodes
 
@@ -116,7 +120,9 @@ def check_rendezvous(nodes: int) -> None:
         return
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if not os.environ.get(name)]
     if missing:
-        raise UserError(f"num_nodes={nodes}: set {', '.join(missing)} on every node (MASTER_ADDR and MASTER_PORT the"
-                        f" same everywhere, NODE_RANK 0 to {nodes - 1})")  # fmt: skip
+        raise UserError(
+            f"num_nodes={nodes}: set {', '.join(missing)} on every node (MASTER_ADDR and MASTER_PORT the"
+            f" same everywhere, NODE_RANK 0 to {nodes - 1})"
+        )
     if not 0 <= int(os.environ["NODE_RANK"]) < nodes:
         raise UserError(f"NODE_RANK={os.environ['NODE_RANK']}: with num_nodes={nodes} it must be 0 to {nodes - 1}")

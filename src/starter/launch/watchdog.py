@@ -96,9 +96,20 @@ def listening(address: str, port: int) -> bool:
 
 
 class Watchdog:
-    def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
-                 stall_timeout_s: float, store_holder: str, serves_store: bool = False, launcher_pid: int | None = None,
-                 stop_signal: int = signal.SIGTERM):  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world: int,
+        ranks_per_node: int,
+        timeout_s: float,
+        stall_timeout_s: float,
+        store_holder: str,
+        serves_store: bool = False,
+        launcher_pid: int | None = None,
+        stop_signal: int = signal.SIGTERM,
+    ):
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the train.py whose
         agent started this process, which it outlives only to save and stop (`stop_signal`); without one (torchrun,
         srun) nothing else would kill a stopped rank, so the watchdog that names it does."""
@@ -216,8 +227,12 @@ class Watchdog:
                         seen[rank] = (counter, now)
                     elif now - seen[rank][1] > allowed and not self.stopping.is_set():
                         lost = where(rank, self.ranks_per_node)
-                        report(store, LOST_EXIT_CODE, f"{lost} has not answered for {allowed:.0f} s"
-                               " (killed, stopped, or its node lost); every process of the run stops")  # fmt: skip
+                        report(
+                            store,
+                            LOST_EXIT_CODE,
+                            f"{lost} has not answered for {allowed:.0f} s"
+                            " (killed, stopped, or its node lost); every process of the run stops",
+                        )
                         if self.kills_stopped_peers:
                             kill_if_stopped_here(store, f"{prefix}/process/{rank}")
                         self._leave(failure(store)[0])
@@ -243,17 +258,25 @@ class Watchdog:
             self.launcher_pid = None
         if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
-            print(f"error: node {node}'s launcher (train.py, pid {pid}) is gone; its workers save"
-                  " checkpoints/last.ckpt and stop", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"error: node {node}'s launcher (train.py, pid {pid}) is gone; its workers save"
+                " checkpoints/last.ckpt and stop",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
 
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
             allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
             if time.monotonic() - self.answered > allowed + self.interval:
-                print(f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
-                      f" not answered for {allowed:.0f} s (killed, stopped, or its node lost); every process"
-                      " of the run stops", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
+                    f" not answered for {allowed:.0f} s (killed, stopped, or its node lost); every process"
+                    " of the run stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(LOST_EXIT_CODE)
 
     def _leave(self, code: int) -> None:
@@ -307,8 +330,17 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     rank, world, address, port, served = store(timeout_s)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s,
-                        store_holder="rank 0 (node 0)", serves_store=served is not None)  # fmt: skip
+    watchdog = Watchdog(
+        address,
+        port,
+        rank,
+        world,
+        ranks_per_node,
+        timeout_s,
+        stall_timeout_s,
+        store_holder="rank 0 (node 0)",
+        serves_store=served is not None,
+    )
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 
@@ -337,6 +369,8 @@ def _scheduler_store(launcher: str, timeout_s: float):
     try:
         served = serve_store(address, port)
     except Exception as err:
-        raise UserError(f"rank 0 cannot serve the run's store at {address}:{port} ({one_line(err)}); set MASTER_PORT"
-                        " to a free port for every task") from None  # fmt: skip
+        raise UserError(
+            f"rank 0 cannot serve the run's store at {address}:{port} ({one_line(err)}); set MASTER_PORT"
+            " to a free port for every task"
+        ) from None
     return rank, world, address, port, served

@@ -68,8 +68,9 @@ def log_model_summary(model, image_shape) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     net = getattr(model, "net", model)
-    rows = [(name, type(layer).__name__, sum(p.numel() for p in layer.parameters()))
-            for name, layer in net.named_children()]  # fmt: skip
+    rows = [
+        (name, type(layer).__name__, sum(p.numel() for p in layer.parameters())) for name, layer in net.named_children()
+    ]
     flops, training = "not counted", net.training
     try:  # in eval mode: a forward in training mode would move BatchNorm's statistics and draw dropout's numbers
         with torch.no_grad(), FlopCounterMode(display=False) as counter:

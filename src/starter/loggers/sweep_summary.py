@@ -56,8 +56,16 @@ def summary_rows(sweep: Path, hidden: str | None = None, pruned: set[int] = froz
         metrics = json.loads((job / "metrics.json").read_text()) if (job / "metrics.json").is_file() else {}
         monitor, mode = str(config.get("monitor")), str(config.get("monitor_mode", "max"))
         overrides = [o for o in overrides if not (hidden and o.startswith(hidden))]
-        rows.append({"job": int(job.name), "overrides": " ".join(overrides), "monitor": monitor, "mode": mode,
-                     "value": metrics.get(monitor), "run_dir": job})  # fmt: skip
+        rows.append(
+            {
+                "job": int(job.name),
+                "overrides": " ".join(overrides),
+                "monitor": monitor,
+                "mode": mode,
+                "value": metrics.get(monitor),
+                "run_dir": job,
+            }
+        )
     values = [r["value"] for r in rows if r["value"] is not None and r["job"] not in pruned]
     best = (max if rows and rows[0]["mode"] == "max" else min)(values) if values else None
     for row in rows:
@@ -70,5 +78,12 @@ def write_summary(path: Path, rows: list[dict]) -> None:
         out = csv.writer(f)
         out.writerow(["job", "overrides", rows[0]["monitor"], "best", "run_dir"])
         for row in rows:
-            out.writerow([row["job"], row["overrides"], "" if row["value"] is None else row["value"], int(row["best"]),
-                          str(row["run_dir"])])  # fmt: skip
+            out.writerow(
+                [
+                    row["job"],
+                    row["overrides"],
+                    "" if row["value"] is None else row["value"],
+                    int(row["best"]),
+                    str(row["run_dir"]),
+                ]
+            )

@@ -33,10 +33,16 @@ class SampleMean(Metric):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, net: nn.Module, num_classes: int, optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
-                 label_smoothing: float = 0.0, norm_weight_decay: float | None = None,
-                 lr_warmup_epochs: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        net: nn.Module,
+        num_classes: int,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        label_smoothing: float = 0.0,
+        norm_weight_decay: float | None = None,
+        lr_warmup_epochs: float = 0.0,
+    ):
         super().__init__()
         self.net = net
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
@@ -122,8 +128,18 @@ class Classifier(L.LightningModule):
         own."""
         if self.norm_weight_decay is None:
             return self.parameters()
-        norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
-                 nn.InstanceNorm3d, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)  # fmt: skip
+        norms = (
+            nn.BatchNorm1d,
+            nn.BatchNorm2d,
+            nn.BatchNorm3d,
+            nn.SyncBatchNorm,
+            nn.InstanceNorm1d,
+            nn.InstanceNorm2d,
+            nn.InstanceNorm3d,
+            nn.LayerNorm,
+            nn.GroupNorm,
+            nn.LocalResponseNorm,
+        )
         norm = [p for m in self.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)]
         ids = {id(p) for p in norm}
         rest = [p for p in self.parameters() if id(p) not in ids]

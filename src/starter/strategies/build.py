@@ -20,8 +20,12 @@ def build_strategy(strategy_cfg: DictConfig, layout: Layout):
     and DDP's wrapper costs ~15% of a step on one GPU). A class whose constructor takes `layout` gets it."""
     traits = Traits.of(strategy_cfg)
     if layout.world == 1 and traits.one_process:
-        log.info("strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"
-                 " optimisation, without the DDP wrapper)", strategy_cfg.name, traits.one_process)  # fmt: skip
+        log.info(
+            "strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"
+            " optimisation, without the DDP wrapper)",
+            strategy_cfg.name,
+            traits.one_process,
+        )
         return traits.one_process
     kwargs = {k: v for k, v in OmegaConf.to_container(strategy_cfg, resolve=True).items() if k not in DESCRIPTIVE_KEYS}
     if "_target_" not in kwargs:

@@ -29,8 +29,12 @@ class DataParallelStrategy(ParallelStrategy):
     strategy_name = "dp"
 
     def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None, precision_plugin=None):
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)  # fmt: skip
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self._data_parallel: nn.DataParallel | None = None
 
     @property

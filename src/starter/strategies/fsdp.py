@@ -35,15 +35,25 @@ def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Mod
     return units
 
 
-def apply_fsdp(roots: list[nn.Module], mesh, units: list[nn.Module], reshard_after_forward: bool, cpu_offload: bool,
-               param_dtype=None):  # fmt: skip
+def apply_fsdp(
+    roots: list[nn.Module],
+    mesh,
+    units: list[nn.Module],
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+    param_dtype=None,
+):
     """Shard every unit, then every root for what the units leave. `param_dtype` (bf16 or fp16): parameters are
     all-gathered and computed with in it, gradients reduce-scattered in fp32; BatchNorm stays in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mixed = MixedPrecisionPolicy(param_dtype, torch.float32) if param_dtype else MixedPrecisionPolicy()
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed,
-                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())  # fmt: skip
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mixed,
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
     if param_dtype:  # BatchNorm keeps fp32 weights and running statistics (as FSDP1's mixed precision does): a
         # half-precision weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its
         # input left as it comes (batch norm takes half-precision input with fp32 weights)
@@ -73,8 +83,14 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
 
     strategy_name = "fsdp"
 
-    def __init__(self, sharding_units: Iterable[str] = DEFAULT_UNITS, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, activation_checkpointing: bool = False, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        sharding_units: Iterable[str] = DEFAULT_UNITS,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.unit_names, self.reshard_after_forward = tuple(sharding_units), reshard_after_forward
         self.cpu_offload, self.activation_checkpointing = cpu_offload, activation_checkpointing
@@ -111,5 +127,6 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
             for unit in units:
                 checkpoint(unit)
         param_dtype = MIXED_DTYPES.get(getattr(self.precision_plugin, "precision", ""))
-        apply_fsdp(roots, self.device_mesh["data_parallel"], units, self.reshard_after_forward, self.cpu_offload,
-                   param_dtype)  # fmt: skip
+        apply_fsdp(
+            roots, self.device_mesh["data_parallel"], units, self.reshard_after_forward, self.cpu_offload, param_dtype
+        )

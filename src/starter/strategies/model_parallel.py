@@ -25,8 +25,12 @@ class OutsideModelParallel(ModelParallelStrategy):
         # Lightning's device mesh: (data parallel, tensor parallel), their product the world size (a pipeline's
         # stages count as data parallel to it; a pipelined strategy meshes its processes itself)
         tensor_parallel = layout.tensor_parallel
-        super().__init__(data_parallel_size=layout.world // tensor_parallel, tensor_parallel_size=tensor_parallel,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)  # fmt: skip
+        super().__init__(
+            data_parallel_size=layout.world // tensor_parallel,
+            tensor_parallel_size=tensor_parallel,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
         self.layout = layout  # the process sizes (topology.py), computed once before launch
         self.sharded_checkpoints = save_distributed_checkpoint
         self.parallelized = False  # fit, then test in the same process: parallelize once

@@ -25,8 +25,10 @@ def pipelined_net(module: nn.Module) -> nn.Sequential:
     for child in module.children():
         if isinstance(child, nn.Sequential) and next(child.parameters(), None) is not None:
             return child
-    raise UserError(f"a pipeline cuts an nn.Sequential net into stages; {type(module).__name__} has none"
-                    " (nets that are: mlp, cnn, vit)")  # fmt: skip
+    raise UserError(
+        f"a pipeline cuts an nn.Sequential net into stages; {type(module).__name__} has none"
+        " (nets that are: mlp, cnn, vit)"
+    )
 
 
 def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int]]:
@@ -35,8 +37,10 @@ def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     holders = [i for i, size in enumerate(sizes) if size]
     if len(holders) < stages:
-        raise UserError(f"the pipeline needs {stages} stages and the net has {len(holders)} layers with parameters;"
-                        " use fewer stages (strategy.pipeline_parallel_size, strategy.stages_per_rank)")  # fmt: skip
+        raise UserError(
+            f"the pipeline needs {stages} stages and the net has {len(holders)} layers with parameters;"
+            " use fewer stages (strategy.pipeline_parallel_size, strategy.stages_per_rank)"
+        )
     starts = [0] + holders[1:]
     total = [0]
     for size in sizes:
@@ -62,8 +66,9 @@ class Pipelined:
 
     pipeline_always = False
 
-    def __init__(self, *args, schedule: str = "1f1b", microbatches: int = 4, stages_per_rank: int | None = None,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, *args, schedule: str = "1f1b", microbatches: int = 4, stages_per_rank: int | None = None, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.schedule_name, self.microbatches = schedule, int(microbatches)
         self.stages_per_rank = stages_per_process(schedule, stages_per_rank)
@@ -99,8 +104,9 @@ class Pipelined:
             from torch.distributed.device_mesh import init_device_mesh
 
             sizes = (self.layout.pipeline_parallel, self.layout.data_parallel, self.layout.tensor_parallel)
-            self.pipeline_mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(
-                "pipeline_parallel", "data_parallel", "tensor_parallel"))  # fmt: skip
+            self.pipeline_mesh = init_device_mesh(
+                self.root_device.type, sizes, mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel")
+            )
 
     def parallelize(self, module: nn.Module) -> None:
         if not self.pipelined:
@@ -126,8 +132,12 @@ class Pipelined:
         if hasattr(self.precision_plugin, "pipeline_group"):  # clipping: the stages' norms add up over the pipeline
             self.precision_plugin.pipeline_group = group
         schedule = getattr(pipelining, PIPELINE_SCHEDULES[self.schedule_name])
-        self.schedule = schedule(stages if self.stages_per_rank > 1 else stages[0], n_microbatches=self.microbatches,
-                                 loss_fn=self._loss, scale_grads=False)  # fmt: skip
+        self.schedule = schedule(
+            stages if self.stages_per_rank > 1 else stages[0],
+            n_microbatches=self.microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
 
     def _loss(self, output, target):
         """A micro-batch's share of the optimizer step's loss, times the fp16 loss scale where there is one (the
@@ -240,8 +250,10 @@ class Pipelined:
         path = Path(self.broadcast(checkpoint_path))
         if path.is_file():  # one file of the whole model (another strategy's): each process takes its stages'
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-                raise UserError(f"ckpt_path={path}: a pipeline resumes from its own sharded checkpoint (evaluating"
-                                " this one works: train=false)")  # fmt: skip
+                raise UserError(
+                    f"ckpt_path={path}: a pipeline resumes from its own sharded checkpoint (evaluating"
+                    " this one works: train=false)"
+                )
             saved = torch.load(path, map_location="cpu", weights_only=True)
             weights = saved.pop("state_dict")
             mine = {name: weights[name] for name in get_model_state_dict(self.model)}

@@ -24,36 +24,47 @@ def check_pipeline(cfg: DictConfig, layout: Layout, global_batch: int | None) ->
     `global_batch`: None where the DataModule's batch is its own (the pipeline checks it as it splits it)."""
     strategy, stages = cfg.strategy, layout.pipeline_parallel
     if cfg.get("compile"):
-        raise UserError("compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
-                        " fsdp without strategy.pipeline_parallel_size")  # fmt: skip
+        raise UserError(
+            "compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
+            " fsdp without strategy.pipeline_parallel_size"
+        )
     schedule, micro = str(strategy.schedule), int(strategy.microbatches)
     if schedule not in PIPELINE_SCHEDULES:
         raise UserError(f"strategy.schedule={schedule}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
     per_process = stages_per_process(schedule, strategy.get("stages_per_rank"))
     if (schedule == "interleaved_1f1b") != (per_process > 1):
         fix = "strategy.stages_per_rank=2 (or more)" if per_process == 1 else "strategy.schedule=interleaved_1f1b"
-        raise UserError(f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
-                        f" one stage per process, interleaved_1f1b several; use {fix}")  # fmt: skip
+        raise UserError(
+            f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
+            f" one stage per process, interleaved_1f1b several; use {fix}"
+        )
     batch = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else 0
     if batch % micro:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
-                        f" which strategy.microbatches={micro} does not divide; give each pipeline a"
-                        f" multiple of {micro}")  # fmt: skip
+        raise UserError(
+            f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
+            f" which strategy.microbatches={micro} does not divide; give each pipeline a"
+            f" multiple of {micro}"
+        )
     if schedule == "1f1b" and micro < stages:
-        raise UserError(f"strategy.microbatches={micro} is fewer than the {stages} stages of the pipeline, which 1f1b"
-                        f" needs at least; use strategy.microbatches={stages} or more")  # fmt: skip
+        raise UserError(
+            f"strategy.microbatches={micro} is fewer than the {stages} stages of the pipeline, which 1f1b"
+            f" needs at least; use strategy.microbatches={stages} or more"
+        )
     if schedule == "interleaved_1f1b" and micro % max(1, micro // stages):
-        raise UserError(f"strategy.microbatches={micro}: interleaved_1f1b on {stages} processes needs a multiple"
-                        f" of {stages}")  # fmt: skip
+        raise UserError(
+            f"strategy.microbatches={micro}: interleaved_1f1b on {stages} processes needs a multiple of {stages}"
+        )
 
 
 def check_cut(path, saved: DictConfig, cfg: DictConfig, layout: Layout) -> None:
     """A pipeline's sharded checkpoint holds each stage's optimizer state: training continues with the same cut."""
     was, asked = _cut(saved.strategy, Layout.of(saved)), _cut(cfg.strategy, layout)
     if was != asked:
-        raise UserError(f"ckpt_path={path} was saved by {_describe(was)}; this run asks for {_describe(asked)}:"
-                        " resume it with the strategy.pipeline_parallel_size and strategy.stages_per_rank it was"
-                        " saved with (evaluating it works: train=false)")  # fmt: skip
+        raise UserError(
+            f"ckpt_path={path} was saved by {_describe(was)}; this run asks for {_describe(asked)}:"
+            " resume it with the strategy.pipeline_parallel_size and strategy.stages_per_rank it was"
+            " saved with (evaluating it works: train=false)"
+        )
 
 
 def _cut(strategy_cfg: DictConfig, layout: Layout) -> tuple[int, int] | None:

@@ -10,8 +10,10 @@ from torch import nn
 from starter.errors import UserError
 from starter.strategies.model_parallel import OutsideModelParallel
 
-WHAT_SPLITS = ("attention blocks with Linear children q, k, v and proj, MLP blocks with fc1 and fc2, a Sequential"
-               " of Linear layers, or a tensor_parallel_plan() method of its own")  # fmt: skip
+WHAT_SPLITS = (
+    "attention blocks with Linear children q, k, v and proj, MLP blocks with fc1 and fc2, a Sequential"
+    " of Linear layers, or a tensor_parallel_plan() method of its own"
+)
 
 
 def tensor_parallel_plan(net: nn.Module) -> dict:
@@ -47,15 +49,19 @@ def check_splits(net: nn.Module, plan: dict, size: int) -> None:
         layer = net.get_submodule(name)
         features = layer.out_features if isinstance(style, ColwiseParallel) else layer.in_features
         if features % size:
-            raise UserError(f"{type(net).__name__}.{name} has {features} features, which do not split over {size}"
-                            f" tensor-parallel processes; use a multiple of {size}")  # fmt: skip
+            raise UserError(
+                f"{type(net).__name__}.{name} has {features} features, which do not split over {size}"
+                f" tensor-parallel processes; use a multiple of {size}"
+            )
     for name, module in net.named_modules():
         head_dim = getattr(module, "head_dim", None)
         if isinstance(head_dim, int) and isinstance(getattr(module, "q", None), nn.Linear):
             heads = module.q.out_features // head_dim
             if heads % size:
-                raise UserError(f"{type(net).__name__}.{name} has {heads} attention heads, which do not split over"
-                                f" {size} tensor-parallel processes; use a multiple of {size}")  # fmt: skip
+                raise UserError(
+                    f"{type(net).__name__}.{name} has {heads} attention heads, which do not split over"
+                    f" {size} tensor-parallel processes; use a multiple of {size}"
+                )
 
 
 def apply_tensor_parallel(module: nn.Module, mesh) -> None:
@@ -63,8 +69,10 @@ def apply_tensor_parallel(module: nn.Module, mesh) -> None:
     nets = [child for child in module.children() if next(child.parameters(), None) is not None]
     if not any(split_layers(net, mesh) for net in nets):
         names = ", ".join(type(net).__name__ for net in nets) or f"{type(module).__name__} (no net)"
-        raise UserError(f"tensor parallel found nothing to split in {names}: it needs {WHAT_SPLITS}; train it with"
-                        " strategy=fsdp or ddp instead")  # fmt: skip
+        raise UserError(
+            f"tensor parallel found nothing to split in {names}: it needs {WHAT_SPLITS}; train it with"
+            " strategy=fsdp or ddp instead"
+        )
 
 
 def split_layers(net: nn.Module, mesh) -> bool:

@@ -22,12 +22,20 @@ def torchvision_net(name: str, num_classes: int, in_channels: int = 3, weights: 
             net = models.get_model(name, weights=weights)
         except (OSError, RuntimeError) as err:  # urllib's URLError is an OSError
             url = models.get_model_weights(name)[weights].url
-            raise UserError(f"model.net.weights={weights}: cannot fetch {url} ({err}); put that file in"
-                            " $TORCH_HOME/hub/checkpoints (default ~/.cache/torch)") from None  # fmt: skip
+            raise UserError(
+                f"model.net.weights={weights}: cannot fetch {url} ({err}); put that file in"
+                " $TORCH_HOME/hub/checkpoints (default ~/.cache/torch)"
+            ) from None
         head = net.get_submodule(head_name(net))
         if head.out_features != num_classes:
-            log.info("%s's %s weights are for %d classes: its head (%s) starts freshly initialised for %d",
-                     name, weights, head.out_features, head_name(net), num_classes)  # fmt: skip
+            log.info(
+                "%s's %s weights are for %d classes: its head (%s) starts freshly initialised for %d",
+                name,
+                weights,
+                head.out_features,
+                head_name(net),
+                num_classes,
+            )
             replace_head(net, num_classes)
     if in_channels != 3:  # e.g. MNIST's one channel: a first conv layer of its own (a ResNet's conv1)
         if not isinstance(getattr(net, "conv1", None), nn.Conv2d):

@@ -20,9 +20,11 @@ class PatchEmbedding(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.shape[-2:] != (self.image_size, self.image_size):  # shapes are known on the host: no sync
             size = f"{self.image_size}x{self.image_size}"
-            raise UserError(f"the net takes {size} images only (its position embedding: model.net.image_size) but was"
-                            f" given {images.shape[-2]}x{images.shape[-1]}; crop the data to {size}"
-                            " (data.train_crop_size, data.val_crop_size), or change data.image_shape")  # fmt: skip
+            raise UserError(
+                f"the net takes {size} images only (its position embedding: model.net.image_size) but was"
+                f" given {images.shape[-2]}x{images.shape[-1]}; crop the data to {size}"
+                " (data.train_crop_size, data.val_crop_size), or change data.image_shape"
+            )
         tokens = self.proj(images).flatten(2).transpose(1, 2)  # (N, patches, dim)
         tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
         return tokens + self.pos_embed
@@ -79,8 +81,17 @@ class ViT(nn.Sequential):
     """Vision Transformer (Dosovitskiy et al. 2020) as a sequence: patch embedding, `depth` blocks, a head on the
     class token. Plain torch: tensor and pipeline parallelism are applied from outside (strategies/)."""
 
-    def __init__(self, in_channels: int, image_size: int, num_classes: int, patch_size: int = 16, dim: int = 384,
-                 depth: int = 12, heads: int = 6, mlp_ratio: float = 4.0):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        num_classes: int,
+        patch_size: int = 16,
+        dim: int = 384,
+        depth: int = 12,
+        heads: int = 6,
+        mlp_ratio: float = 4.0,
+    ):
         super().__init__(
             PatchEmbedding(in_channels, image_size, patch_size, dim),
             *(Block(dim, heads, mlp_ratio) for _ in range(depth)),
