@@ -26,9 +26,11 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-def first_line(err: BaseException) -> str:
-    """'Type: the first line of its message' (some libraries' errors run over a hundred lines)."""
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+def first_line(err: BaseException, named: bool = True) -> str:
+    """The first line of an error's message, after its type's name ('Type: line') where `named` (some libraries'
+    errors run over a hundred lines); the type's name alone for an error without a message."""
+    line = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {line}" if named else line or type(err).__name__
 
 
 _ctrl_c: list[int] = []  # the SIGINTs this process got

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
-from starter.errors import UserError
+from starter.errors import UserError, first_line
 from starter.loggers.report import shown
 from starter.predict import settle_weights
 from starter.preflight import settle
@@ -90,8 +90,9 @@ def export(cfg: DictConfig) -> dict:
         raise
     except Exception as err:
         discard(out)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"{type(net).__name__} does not export to {cfg.format}: {first}") from err
+        raise UserError(
+            f"{type(net).__name__} does not export to {cfg.format}: {first_line(err, named=False)}"
+        ) from err
     if not difference <= float(cfg.tolerance):
         discard(out)
         raise UserError(

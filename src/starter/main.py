@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from starter.config_choices import check_given
-from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, interrupted, one_line
+from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, first_line, interrupted, one_line
 from starter.launch.environment import launched_by, started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
@@ -203,7 +203,7 @@ def save_resolved(cfg: DictConfig, path: Path) -> Path:
         OmegaConf.save(cfg, temporary, resolve=True)
     except InterpolationResolutionError as err:
         Path(temporary).unlink(missing_ok=True)
-        raise UserError(f"{err.full_key}: {' '.join(str(err).splitlines()[0].split())}") from None
+        raise UserError(f"{err.full_key}: {' '.join(first_line(err, named=False).split())}") from None
     os.replace(temporary, path)
     return path
 

@@ -145,6 +145,6 @@ def refusing_pickled_code(path, key: str = "ckpt_path"):
     try:
         yield
     except pickle.UnpicklingError as err:
-        first = str(err).splitlines()[0][:120]
+        first = first_line(err, named=False)[:120]
         refused = "refused: loading it could run code. Load only checkpoints written by this starter"
         raise UserError(f"{key}={path} holds pickled objects besides tensors ({first}...); {refused}") from None

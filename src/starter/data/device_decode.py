@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from starter.errors import UserError
+from starter.errors import UserError, first_line
 
 DECODES = ("cpu", "gpu")
 JPEG_START = (0xFF, 0xD8, 0xFF)
@@ -52,7 +52,7 @@ def decode_batch(images: tuple[torch.Tensor, torch.Tensor], device: torch.device
         images = _decode_aside(partial(decode_jpeg, list(flat.split(lengths.tolist())), mode=mode), device)
     except RuntimeError as err:
         raise UserError(
-            f"a JPEG of this batch cannot be decoded on {device}: {str(err).splitlines()[0]}; run with"
+            f"a JPEG of this batch cannot be decoded on {device}: {first_line(err, named=False)}; run with"
             " data.decode=cpu to have it named"
         ) from err
     return torch.stack([transform(image) for image in images] if transform else images)
