@@ -3,11 +3,12 @@ to give, not a traceback from the library that meets it mid-run. One table: a ke
 (another group's option, a DataModule of one's own without it) is not checked; anything else the libraries refuse
 when the run builds its objects is caught there (run.build)."""
 
+import operator
 import re
 
 from starter.errors import UserError
 
-# key: kind (int, number, bool, text), bounds ("0..1": within, ">= 0", "> 0", "< 1"), "or null" where null means
+# key: kind (int, number, bool), bounds ("0..1": within, ">= 0", "> 0"), "or null" where null means
 # something. `number` takes a float or an int.
 SCHEMA = {
     "seed": "int 0..4294967295",  # numpy's seeds; Lightning raises outside, truncates 1.5
@@ -63,6 +64,8 @@ SCHEMA = {
     "callbacks.freeze_backbone.epochs": "int >= 0",
 }
 KINDS = {"int": "a whole number", "number": "a number", "bool": "true or false"}
+RANGE = re.compile(r"(-?[\d.]+)\.\.(-?[\d.]+)")  # "low..high", both within
+COMPARISONS = {">=": (operator.ge, "of {} or more"), ">": (operator.gt, "above {}")}
 
 
 def check_schema(cfg) -> None:
@@ -92,18 +95,17 @@ def refused(value, rule: str) -> str | None:
     return None
 
 
-def _within(value, bounds: str) -> bool:
-    if match := re.fullmatch(r"(-?[\d.]+)\.\.(-?[\d.]+)", bounds):
+def _within(value, bound: str) -> bool:
+    if match := RANGE.fullmatch(bound):
         return float(match[1]) <= value <= float(match[2])
-    operator, limit = bounds.split()
-    return {">=": value >= float(limit), ">": value > float(limit), "<": value < float(limit)}[operator]
+    comparison, limit = bound.split()
+    return COMPARISONS[comparison][0](value, float(limit))
 
 
 def _wanted(kind: str, bounds: list[str]) -> str:
     if not bounds:
         return KINDS[kind]
-    bound = bounds[0]
-    if match := re.fullmatch(r"(-?[\d.]+)\.\.(-?[\d.]+)", bound):
+    if match := RANGE.fullmatch(bounds[0]):
         return f"{KINDS[kind]} from {match[1]} to {match[2]}"
-    operator, limit = bound.split()
-    return f"{KINDS[kind]} {({'>=': 'of {} or more', '>': 'above {}', '<': 'below {}'}[operator]).format(limit)}"
+    comparison, limit = bounds[0].split()
+    return f"{KINDS[kind]} {COMPARISONS[comparison][1].format(limit)}"

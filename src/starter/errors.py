@@ -12,6 +12,9 @@ USER_ERROR_EXIT_CODE = 2  # bad config, missing data: one line says what to do i
 LOST_EXIT_CODE = 124  # as timeout(1): the run stopped waiting for a process that no longer answers
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request after saving checkpoints/last.ckpt
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: Ctrl-C
+# where a process started as a rank finds its global rank, the first set: torchrun's, torch's agent's and Kubeflow's;
+# srun's; jsrun's (topology.process_rank; here too, for Ctrl-C's line, said once)
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
 
 class UserError(Exception):
@@ -73,8 +76,8 @@ def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "")
         code[0] = 1
         raise
     code[0] = INTERRUPTED_EXIT_CODE
-    # said once where torchrun or a scheduler started the ranks (topology.process_rank's rule; this layer is below it)
-    if next((os.environ[v] for v in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK") if v in os.environ), "0") == "0":
+    # said once where torchrun or a scheduler started the ranks (topology.process_rank's rule)
+    if next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0") == "0":
         print(f"error: interrupted (Ctrl-C){interrupted_hint}", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED_EXIT_CODE)
 

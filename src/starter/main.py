@@ -38,8 +38,6 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
         _quiet()  # ranks torchrun or srun started say their lines once, from rank 0, from the first line on
     layout = None
     try:
-        with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
-            cfg.data = cfg.get("data") or {}
         check_given(cfg)
         layout = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)

@@ -28,8 +28,9 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 def prepare(cfg: DictConfig) -> Layout:
     """Validate a training run's `cfg`, settle it in place, and return the layout of its processes."""
+    with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
+        cfg.data = cfg.get("data") or {}
     _settle_shards(cfg)  # full examples
-    check_schema(cfg)
     # a global batch where the DataModule shards itself (shared over the processes); another's batch size is its own
     global_batch = cfg.data.batch_size if data_shards_itself(cfg.data) else None
     layout, traits = settle(cfg, global_batch), Traits.of(cfg.strategy)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, ListConfig
 
-from starter.errors import UserError
+from starter.errors import RANK_VARIABLES, UserError
 
 Support = bool | str
 STORE_KEY = "starter/watchdog"
@@ -92,13 +92,6 @@ def data_parallel_place(trainer) -> tuple[int, int]:
     or a pipeline shares one place); (1, 0) without a trainer or a distributed strategy."""
     shard = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
     return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
-
-
-RANK_VARIABLES = (
-    "RANK",
-    "SLURM_PROCID",
-    "JSM_NAMESPACE_RANK",
-)  # torchrun's, torch's agent's, Kubeflow's; srun's; jsrun's
 
 
 def process_rank() -> int:

@@ -60,18 +60,17 @@ def read_metadata(directory: Path):
 
 
 def read_sharded(state: dict, directory: Path) -> None:
-    """torch.distributed.checkpoint.load(state, directory) through the checks above. The metadata is checked first
+    """torch.distributed.checkpoint.load(state, directory) through the checks above. The metadata is read and checked
     here, where a refusal is the UserError itself (torch folds a reader's error into an AssertionError or its report
-    from every rank), and again by the reader torch reads it with."""
+    from every rank), and what torch's load reads is that very object: the file is unpickled once."""
     from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, load
 
-    read_metadata(directory)
+    metadata = read_metadata(directory)
 
     class DataOnlyReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            metadata = read_metadata(Path(self.path))
             if metadata.storage_meta is None:  # as FileSystemReader.read_metadata does
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -199,7 +199,7 @@ class Watchdog:
         watched = range(self.world) if self.rank == 0 else [0]
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
-        relayed = False  # another rank's stop request, to this one (callbacks/preemption.py)
+        relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
         while not self.stopping.wait(wait):
             wait = self.interval
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
