@@ -4,8 +4,10 @@ Each strategy x precision trains on one GPU and lands where strategy=auto lands 
 trained differently, like ddp_spawn without TF32 once did, shows as another accuracy); the extras that broke on a
 GPU before (fsdp with BatchNorm at bf16-mixed, tp with CUDA's foreach optimizer kernels) and compile,
 channels_last, fsdp's options, tp/pp/2D at one device train; a training step that is not a logging step makes no
-host-device synchronisation (torch.cuda.set_sync_debug_mode counts each one). The runs are `python train.py`
-processes, four at a time on the one GPU, started once for the whole module.
+host-device synchronisation (torch.cuda.set_sync_debug_mode counts each one); code written for Lightning (tests/foreign)
+trains under ddp and fsdp, and modules that parallelize themselves under fsdp and tp; a run stopped by SIGTERM and
+resumed ends bit for bit where the straight run ends, dropout drawing from CUDA's generator. The runs are
+`python train.py` processes, four at a time on the one GPU, started once for the whole module.
 """
 
 import json
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, host_syncs
+from conftest import PROBES, ROOT, host_syncs, model_weights, train, trained_weights, with_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]  # fmt: skip
@@ -49,12 +51,39 @@ EXTRAS = {
     "vit-compile-bf16": ["model=vit", "compile=true", "precision=bf16-mixed"],
     "resnet18-fsdp-batchnorm-bf16": [*R18, "strategy=fsdp", "precision=bf16-mixed"],  # full examples
 }
+# Code written for Lightning (tests/foreign), 2 epochs on the digits: the peer template's module and DataModule, and
+# modules that apply FSDP2 or tensor parallel themselves in configure_model() (the last owning its loaders)
+FOREIGN = [f"hydra.searchpath=[file://{ROOT / 'tests' / 'foreign' / 'conf'}]", "trainer.max_epochs=2"]
+TEMPLATE = [*FOREIGN, "experiment=template"]
+CODE_FOR_LIGHTNING = {
+    "template-auto-32": TEMPLATE,
+    "template-ddp-32": [*TEMPLATE, "strategy=ddp"],
+    "template-auto-16": [*TEMPLATE, "precision=16-mixed"],
+    "template-fsdp-16": [*TEMPLATE, "strategy=fsdp", "precision=16-mixed"],
+    "fsdp_layers-fsdp-bf16": [
+        *FOREIGN,
+        "model=fsdp_layers",
+        "data=template_digits",
+        "strategy=fsdp",
+        "precision=bf16-mixed",
+    ],
+    "tp_feedforward-tp-bf16": [
+        *FOREIGN,
+        "model=tp_feedforward",
+        "data=none",
+        "monitor=val_acc",
+        "test=false",
+        "strategy=tp",
+        "precision=bf16-mixed",
+    ],
+}
 
 
-def train_on_gpu(overrides: list[str], scratch: Path) -> dict:
+def train_on_gpu(overrides: list[str], scratch: Path, env: dict | None = None) -> dict:
     log_dir = scratch / str(time.time_ns())
-    command = [sys.executable, str(ROOT / "train.py"), *ONE_GPU, *overrides, f"paths.log_dir={log_dir}"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    first = ONE_GPU if env is None else [o for o in ONE_GPU if not o.startswith(("debug=", "trainer.max_epochs="))]
+    command = [sys.executable, str(ROOT / "train.py"), *first, *overrides, f"paths.log_dir={log_dir}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=with_env(env))
     metrics = next(log_dir.glob("**/metrics.json"), None)
     return {"code": proc.returncode, "stderr": proc.stderr[-3000:],
             "metrics": json.loads(metrics.read_text()) if proc.returncode == 0 and metrics else {}}  # fmt: skip
@@ -66,6 +95,7 @@ def outcomes(tmp_path_factory) -> dict[str, dict]:
     runs = {**MATRIX, **EXTRAS}
     with ThreadPoolExecutor(4) as pool:
         done = {name: pool.submit(train_on_gpu, overrides, scratch) for name, overrides in runs.items()}
+        done |= {name: pool.submit(train_on_gpu, o, scratch, PROBES) for name, o in CODE_FOR_LIGHTNING.items()}
     return {name: future.result() for name, future in done.items()}
 
 
@@ -83,6 +113,46 @@ def test_gpu_extras_train(outcomes, name):
     run = outcomes[name]
     assert run["code"] == 0, run["stderr"]
     assert 0.0 <= run["metrics"]["test/acc"] <= 1.0
+
+
+def test_code_written_for_lightning_trains_on_one_gpu_under_ddp_fsdp_and_tp(outcomes):
+    runs = {name: outcomes[name] for name in CODE_FOR_LIGHTNING}
+    assert all(run["code"] == 0 for run in runs.values()), {n: r["stderr"] for n, r in runs.items() if r["code"]}
+    # under ddp and fsdp the module Lightning's way lands where strategy=auto lands at that precision
+    for strategy, precision in (("ddp", "32"), ("fsdp", "16")):
+        acc = runs[f"template-{strategy}-{precision}"]["metrics"]["test/acc"]
+        assert acc == pytest.approx(runs[f"template-auto-{precision}"]["metrics"]["test/acc"], abs=0.02)
+    # the modules that parallelize themselves learn the digits (chance: 0.1; on CPU 0.78 and 0.94 after 2 epochs)
+    assert runs["fsdp_layers-fsdp-bf16"]["metrics"]["test/acc"] > 0.6
+    assert runs["tp_feedforward-tp-bf16"]["metrics"]["val_acc"] > 0.8
+
+
+# 3 epochs of 8 batches = 24 steps, stopped by SIGTERM after step 11 and run again in the same directory, as a
+# requeued job is: dropout draws from CUDA's generator, the random shift of each batch from the CPU's
+RESUME_ON_GPU = [
+    "accelerator=gpu",
+    "devices=1",
+    "trainer.max_epochs=3",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=2",
+    "test=false",
+    "model.net.dropout=0.3",
+    "data._target_=probes.AugmentedDigits",
+]
+
+
+def test_a_run_stopped_on_the_gpu_and_resumed_ends_bit_for_bit_where_the_straight_run_ends(tmp_path):
+    straight = trained_weights(tmp_path / "straight", *RESUME_ON_GPU, env=PROBES)
+    again = [*RESUME_ON_GPU, f"hydra.run.dir={tmp_path / 'run'}", "ckpt_path=auto"]
+    stop = ["+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=11"]
+    stopped = train(tmp_path, *again, *stop, env=PROBES, expect_ok=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    said = stopped.stdout + stopped.stderr
+    assert "stopped by a stop signal at step 12 after saving checkpoints/last.ckpt" in said, said[-2000:]
+    train(tmp_path, *again, env=PROBES)
+    resumed = model_weights(tmp_path / "run")
+    differences = {k: (straight[k].double() - resumed[k].double()).abs().max().item() for k in resumed}
+    assert max(differences.values()) == 0.0, differences  # bit for bit
 
 
 # full examples: begin
