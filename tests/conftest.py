@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from starter.launch.agent import free_port  # noqa: F401 (the tests' too)
+from starter.launch.nodes import free_port  # noqa: F401 (the tests' too)
 from starter.launch.run_name import run_name
 
 if not OmegaConf.has_resolver("run_name"):

@@ -288,17 +288,18 @@ def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_th
 
 
 def test_a_node_that_never_starts_is_one_line_naming_it_after_the_wait_and_one_that_failed_is_its_line():
-    from starter.launch.agent import WorkerFailed, _all_nodes_here
+    from starter.errors import WorkerFailed
+    from starter.launch.nodes import wait_for_all_nodes
     from starter.launch.watchdog import report, serve_store
     from starter.topology import key_prefix
 
     store, prefix = serve_store("127.0.0.1"), key_prefix("run")
     with pytest.raises(WorkerFailed) as missing:  # node 0 waits for nodes 1 and 2 of 3; neither comes
-        _all_nodes_here(store, prefix, nodes=3, node=0, wait_s=1, config="{}")
+        wait_for_all_nodes(store, prefix, nodes=3, node=0, wait_s=1, config="{}")
     said = "nodes 1, 2 have not started within 1 s; start train.py on every node with the same MASTER_ADDR and"
     assert (missing.value.exit_code, missing.value.message) == (124, f"{said} MASTER_PORT")
     report(store, 2, "node 2: no directory images/train", node=2, prefix=prefix)
     with pytest.raises(WorkerFailed) as failed:  # node 1 reads node 2's failure before it launches
-        _all_nodes_here(store, prefix, nodes=3, node=1, wait_s=60, config="{}")
+        wait_for_all_nodes(store, prefix, nodes=3, node=1, wait_s=60, config="{}")
     found = failed.value
     assert (found.message, found.exit_code, found.node) == ("node 2: no directory images/train", 2, 2)

@@ -57,13 +57,13 @@ def test_a_port_an_ended_store_of_this_process_held_serves_the_next_jobs_store(m
     stores here): the agent's rendezvous, which finds the job's store by its port in torch's cache, finds it there."""
     from torch.distributed import TCPStore
 
-    from starter.launch import agent
+    from starter.launch import nodes
 
-    port = agent.free_port("127.0.0.1")
+    port = nodes.free_port("127.0.0.1")
     ended = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
     del ended  # an earlier job's: gone, its entry left in torch's cache
-    monkeypatch.setattr(agent, "free_port", lambda address: port)  # the OS picks that port again
-    store = agent.join_nodes("127.0.0.1", 0, serve=True)
+    monkeypatch.setattr(nodes, "free_port", lambda address: port)  # the OS picks that port again
+    store = nodes.join_nodes("127.0.0.1", 0, serve=True)
     rendezvous = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)  # as torch's
     rendezvous.set("written by the rendezvous", "")
     assert store.check(["written by the rendezvous"])

@@ -239,7 +239,8 @@ FORWARDS = """
 import os, signal, sys, threading, time
 from pathlib import Path
 from omegaconf import OmegaConf
-from starter.launch.agent import WorkerFailed, start_workers
+from starter.errors import WorkerFailed
+from starter.launch.agent import start_workers
 from starter.topology import Layout
 
 stop_signals = sys.argv[2:]

@@ -279,6 +279,38 @@ def test_a_set_whose_records_are_out_of_order_is_refused_naming_the_record(digit
                      proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]  # fmt: skip
 
 
+def test_a_record_the_store_cannot_give_is_a_user_error_and_a_bug_keeps_its_type(monkeypatch):
+    from starter.data.object_store import ChunkUnreadable
+    from starter.data.shard_records import ShardRecords
+
+    records = ShardRecords("s3://shards/digits/train", 10, "L")
+    failures = {
+        "gone": RuntimeError("reader failed"),
+        "disk": FileNotFoundError("chunk-0-3.bin"),
+        "bug": KeyError("image"),
+    }
+    failures["gone"].__cause__ = ChunkUnreadable("s3://shards/digits/train/chunk-0-3.bin: GenericError: refused")
+    said = {}
+    for name, failure in failures.items():
+
+        def read(index, failure=failure):
+            raise failure
+
+        monkeypatch.setattr(records, "_read", read)
+        with pytest.raises(Exception) as raised:
+            records[3]
+        said[name] = (type(raised.value).__name__, str(raised.value))
+    assert said == {
+        "gone": (
+            "UserError",
+            "cannot read record 3 of s3://shards/digits/train: s3://shards/digits/train/chunk-0-3.bin:"
+            " GenericError: refused",
+        ),
+        "disk": ("UserError", "cannot read record 3 of s3://shards/digits/train: FileNotFoundError: chunk-0-3.bin"),
+        "bug": ("KeyError", "'image'"),  # not the data's fault: raised as it is, with its traceback
+    }
+
+
 def test_a_corrupt_record_stops_the_run_naming_its_shard_and_index(digit_shards, tmp_path):
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(digit_shards), str(broken)], check=True)

@@ -83,5 +83,9 @@ def test_a_run_of_one_process_imports_nothing_of_the_several_process_machinery(t
           env=PROBES)  # fmt: skip
     imported = json.loads(out.read_text())
     assert "starter.run" in imported and "starter.models.classifier" in imported
-    machinery = [m for m in imported if m.split(".")[-1] in ("launcher", "worker", "watchdog", "stall", "fork_server")]
+    machinery = [
+        m
+        for m in imported
+        if m.split(".")[-1] in ("agent", "nodes", "oversight", "worker", "watchdog", "stall", "fork_server")
+    ]
     assert machinery == []

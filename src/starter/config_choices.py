@@ -37,8 +37,8 @@ def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
                 and not any((f / group / f"{option}.yaml").is_file() for f in folders)
             ):
                 options = sorted({p.stem for f in folders if (f / group).is_dir() for p in (f / group).glob("*.yaml")})
-                said = "null" if option is None else option
-                print(f"error: {group}={said}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
+                given = "null" if option is None else option
+                print(f"error: {group}={given}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
                 raise SystemExit(USER_ERROR_EXIT_CODE)
 
 

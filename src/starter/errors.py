@@ -1,5 +1,5 @@
-"""How a process ends: the one exception type for input a user can fix (one line, exit code 2), the exit codes, and
-an end without the interpreter's teardown."""
+"""How a process ends: the one exception type for input a user can fix (one line, exit code 2), a launch's failure
+(WorkerFailed: its line and exit code), the exit codes, and an end without the interpreter's teardown."""
 
 import atexit
 import logging
@@ -19,6 +19,15 @@ RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
 class UserError(Exception):
     """Bad config, missing data, unreadable file: the message says what was wrong and what to do instead."""
+
+
+class WorkerFailed(Exception):
+    """The job's exit code; `message` is None where the failing process has said why; `node`: the node whose process
+    reported it in the run's store."""
+
+    def __init__(self, message: str | None, exit_code: int, node: int | None = None):
+        super().__init__(message)
+        self.message, self.exit_code, self.node = message, exit_code, node
 
 
 def one_line(err: BaseException) -> str:

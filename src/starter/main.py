@@ -16,7 +16,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from starter.config_choices import check_given
-from starter.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, first_line, interrupted, one_line
+from starter.errors import (
+    INTERRUPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    WorkerFailed,
+    first_line,
+    interrupted,
+    one_line,
+)
 from starter.launch.environment import launched_by, started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
@@ -86,7 +94,7 @@ def _interrupted(cfg: DictConfig) -> None:
 def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
     """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
     workers read it: they leave with `code`, saying it."""
-    from starter.launch.agent import join_nodes, node_store
+    from starter.launch.nodes import join_nodes, node_store
     from starter.launch.watchdog import linger_s, report
 
     store, address, port = node_store(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -144,7 +152,7 @@ def what_runs(cfg: DictConfig, layout: Layout) -> str:
 def worker_preload(job: str) -> tuple[str, ...]:
     """What the workers' fork server imports once: the worker and its job's module (torch and Lightning), none of it
     asking CUDA anything (a CUDA driver initialised before a fork fails in the forked workers)."""
-    return "starter.launch.agent", job.split(":")[0]
+    return "starter.launch.worker", job.split(":")[0]
 
 
 def job_function(job: str) -> Callable[[DictConfig], dict]:
@@ -154,7 +162,8 @@ def job_function(job: str) -> Callable[[DictConfig], dict]:
 
 def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict:
     """One worker per device of this node, started by torch's elastic agent; rank 0 writes the run's outputs."""
-    from starter.launch.agent import WorkerFailed, meeting_config, start_workers
+    from starter.launch.agent import start_workers
+    from starter.launch.nodes import meeting_config
     from starter.launch.watchdog import linger_s
 
     try:

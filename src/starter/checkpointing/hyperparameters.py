@@ -19,7 +19,7 @@ class PlainHyperparameters(L.Callback):
     def __init__(self, model: dict, data: dict, run_dir: str = "<run directory>"):
         """`model`, `data`: the resolved configs that built the module and the DataModule; `run_dir`: the run's."""
         self.configs = {"hyper_parameters": model, "datamodule_hyper_parameters": data}
-        self.run_dir, self.said = run_dir, set()
+        self.run_dir, self.reported = run_dir, set()  # the keys whose code was reported
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         for key, type_key in SAVED.items():
@@ -38,8 +38,8 @@ class PlainHyperparameters(L.Callback):
                 as_config.append(name)
             else:
                 left_out.append(name)
-        if (as_config or left_out) and key not in self.said:
-            self.said.add(key)
+        if (as_config or left_out) and key not in self.reported:
+            self.reported.add(key)
             code = ", ".join(as_config + left_out)
             saved = f"checkpoints hold the {key.replace('_', ' ')} {code} as the config that built them, or leave"
             log.info("%s them out (code does not load weights-only)", saved, extra={"file_only": True})

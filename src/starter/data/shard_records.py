@@ -65,8 +65,10 @@ class ShardRecords(Dataset):
             raise
         except RefusedField:
             raise UserError(f"{self.url}: record {index} refused, a field of another kind than ours") from None
-        except Exception as err:  # the store refused or went away (after the store client's own retries)
-            raise UserError(f"cannot read record {index} of {self.url}: {_reason(err)}") from err
+        except Exception as err:
+            if (reason := unreadable(err)) is None:
+                raise  # not the data's fault: a bug, with its traceback
+            raise UserError(f"cannot read record {index} of {self.url}: {reason}") from err
         if record.get("index") != index:
             raise UserError(
                 f"{self.url}: record {index} holds sample {record.get('index')}; the shard set is out of"
@@ -138,12 +140,15 @@ def chunk_of(url: str, index: int) -> str:
     return "past the last chunk"
 
 
-def _reason(err: Exception) -> str:
-    """The chunk that could not be fetched, where that is the cause (litdata's reader wraps it), or the error's first
-    line."""
+def unreadable(err: Exception) -> str | None:
+    """Why a record could not be read, where its data is the cause: a chunk the store did not give (after the store
+    client's own retries; litdata's reader wraps it), or a file or connection that failed (an OSError); else None."""
     from starter.data.object_store import ChunkUnreadable
 
-    cause = err
-    while cause is not None and not isinstance(cause, ChunkUnreadable):
-        cause = cause.__cause__
-    return str(cause) if cause is not None else first_line(err)
+    causes, cause = [], err
+    while cause is not None and cause not in causes:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if chunk := next((c for c in causes if isinstance(c, ChunkUnreadable)), None):
+        return str(chunk)
+    return first_line(err) if any(isinstance(c, OSError) for c in causes) else None

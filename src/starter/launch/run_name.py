@@ -1,6 +1,6 @@
 """The `run_name` resolver: this run's directory name, the same in every process. A time stamp, shared where several
 processes compose the config: torchrun's rank 0's through torchrun's store (restarts keep it); node 0's through the
-nodes' store (agent.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
+nodes' store (nodes.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a requeued job keeps it, so
 `ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
@@ -30,7 +30,7 @@ def run_name(num_nodes: int = 1) -> str:
     if "KUBERNETES_PORT" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # a PyTorchJob's pods
         return f"kubeflow-{os.environ['MASTER_ADDR']}"  # its master pod's service: the job's name
     if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
-        from starter.launch.agent import join_nodes
+        from starter.launch.nodes import join_nodes
 
         node_zero = int(os.environ["NODE_RANK"]) == 0
         store = join_nodes(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), serve=node_zero)

@@ -15,11 +15,11 @@ from starter.loggers.report import shown
 class SweepSummary(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep = Path(config.hydra.sweep.dir)
-        told = config.hydra.sweeper.get("pruning_key")  # the overrides that tell a job its trial: not a choice
+        trial_key = config.hydra.sweeper.get("pruning_key")  # the overrides that tell a job its trial: not a choice
         found = sweep / "optimization_results.yaml"
         results = OmegaConf.load(found) if found.is_file() else None
         pruned = set(results.get("pruned_trials", [])) if results is not None else set()  # a job's number: its trial's
-        rows = summary_rows(sweep, f"{told}." if told else None, pruned)
+        rows = summary_rows(sweep, f"{trial_key}." if trial_key else None, pruned)
         if not rows:
             return
         monitor = rows[0]["monitor"]

@@ -1,0 +1,105 @@
+"""How the jobs of a run's nodes meet: the store they share (node 0's job serves it at MASTER_ADDR:MASTER_PORT; one
+node's on a free port), and the wait until every node is ready with the config node 0 has, said in one line where
+one is missing, has failed, or runs another config."""
+
+import hashlib
+import json
+import socket
+import time
+from datetime import timedelta
+
+from starter.config_choices import leaves
+from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
+from starter.launch.watchdog import failure
+
+_node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
+
+
+def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
+    """The store at address:port (0: a free port) that the agent's rendezvous, the workers and the nodes' jobs share;
+    node 0's job serves it. `multi_tenant`: the agent's rendezvous in this process serves through it, found by its
+    port in torch's cache of servers. Never port 0: that cache keeps the entry of an ended store (an earlier job of a
+    sweep) on a port the OS hands out again, and the rendezvous would then bind the port a second time (EADDRINUSE;
+    after 63 stores in one process here)."""
+    global _node_store
+    from torch.distributed import DistNetworkError, TCPStore
+
+    options = {
+        "is_master": serve,
+        "wait_for_workers": False,
+        "multi_tenant": True,
+        "timeout": timedelta(seconds=timeout_s),
+    }
+    for attempt in range(5):
+        try:
+            _node_store = TCPStore(address, port or free_port(address), **options)
+            return _node_store
+        except DistNetworkError:
+            if port or attempt == 4:
+                raise  # else another process took the free port first: another
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
+def node_store():
+    """The store this job serves or shares with the other nodes' jobs; None before either."""
+    return _node_store
+
+
+def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float, config: str) -> None:
+    """Until every node's job is ready to launch with the config node 0's has (`config`: meeting_config); raises
+    where another node failed before (it said why: said here too), has not come within `wait_s` (the agent's
+    rendezvous would wait for it far longer, in a call nothing ends), or runs another config (every node says which)."""
+    store.set(f"{prefix}/config/{node}", config)
+    store.set(f"{prefix}/ready/{node}", hashlib.sha256(config.encode()).hexdigest())
+    deadline = time.monotonic() + wait_s
+    while True:
+        if reported := failure(store, prefix):
+            code, line, failed_node = reported
+            raise WorkerFailed(line, code, node=failed_node)
+        missing = [n for n in range(nodes) if not store.check([f"{prefix}/ready/{n}"])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            who = f"nodes {', '.join(map(str, missing))} have" if len(missing) > 1 else f"node {missing[0]} has"
+            line = f"{who} not started within {wait_s:.0f} s; start train.py on every node with the same MASTER_ADDR"
+            raise WorkerFailed(f"{line} and MASTER_PORT", LOST_EXIT_CODE)
+        time.sleep(0.2)
+    fingerprints = [store.get(f"{prefix}/ready/{n}") for n in range(nodes)]
+    other = next((n for n in range(1, nodes) if fingerprints[n] != fingerprints[0]), None)
+    if other is None:
+        return
+    line = disagreement(other, *(json.loads(store.get(f"{prefix}/config/{n}")) for n in (other, 0)))
+    store.set(f"{prefix}/disagreement_read/{node}", "")
+    read_by_every_node = [f"{prefix}/disagreement_read/{n}" for n in range(nodes)]
+    while node == 0 and time.monotonic() < deadline and not store.check(read_by_every_node):
+        time.sleep(0.2)  # this job serves the store: until every node has read what it says
+    raise WorkerFailed(line, USER_ERROR_EXIT_CODE, node=other)
+
+
+NODE_OWN = ("paths", "log_file", "ckpt_path")  # keys a node may set for itself: its directories, its run's resume
+
+
+def meeting_config(cfg) -> str:
+    """What every node's job must agree on: its config as composed, not resolved (a value may name the node's own
+    directory), but the keys each node may set for itself."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=False)
+    return json.dumps({key: value for key, value in config.items() if key not in NODE_OWN}, sort_keys=True)
+
+
+def disagreement(node: int, theirs: dict, ours: dict) -> str:
+    """One line: how node `node`'s config differs from node 0's (a few keys)."""
+    mine, first = leaves(theirs), leaves(ours)
+    differing = sorted(key for key in mine.keys() | first.keys() if mine.get(key, "-") != first.get(key, "-"))
+    shown = ", ".join(f"{key}={mine.get(key, '(none)')} (node 0: {first.get(key, '(none)')})" for key in differing[:3])
+    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    return (
+        f"node {node} runs another config than node 0: {shown}{more}; start every node with the same command and"
+        " overrides (NODE_RANK apart), or give another run its own MASTER_PORT"
+    )

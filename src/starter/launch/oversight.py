@@ -1,0 +1,95 @@
+"""What torch's elastic agent does not do, done beside it in the job: end this node's workers when another node's
+process has reported a failure, kill a worker that is stopped (it cannot act on the agent's SIGTERM), and name the
+first failure in one line."""
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
+from starter.launch.watchdog import failure, process_state, report, where
+
+STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
+
+
+class Oversight:
+    """What the agent does not do: ends this node's workers when another node's process has reported a failure, and
+    kills a stopped worker as soon as the agent is stopping it (it cannot act on the agent's SIGTERM, after which the
+    agent waits 30 s before a SIGKILL). Not before: the agent names the first worker that ended, not one killed here."""
+
+    def __init__(self, store, prefix: str, node: int, per_node: int):
+        self.store, self.prefix, self.node, self.per_node = store, prefix, node, per_node
+        self.reported_failure: WorkerFailed | None = None
+        self.pids: dict[int, int] = {}  # rank: pid, of this node's workers
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="oversight", daemon=True)
+        self.thread.start()
+
+    def failed(self, first) -> WorkerFailed:
+        """WorkerFailed for the agent's first failure: `(global rank, ProcessFailure)`."""
+        rank, process = first
+        if reported := self._reported():
+            return reported
+        if process.exitcode < 0:  # a signal ended it: it could not say so; said here and told to the other nodes
+            line = f"{where(rank, self.per_node)} was killed by {process.signal_name()}; every process of the run stops"
+            report(self.store, 128 - process.exitcode, line, self.node, self.prefix)
+            return WorkerFailed(None, 128 - process.exitcode)
+        if process.exitcode == PREEMPTED_EXIT_CODE:
+            return WorkerFailed(
+                "stopped by a stop signal after saving checkpoints/last.ckpt; resume with ckpt_path=last",
+                PREEMPTED_EXIT_CODE,
+            )
+        return WorkerFailed(None, process.exitcode)  # it said why
+
+    def _reported(self) -> WorkerFailed | None:
+        if reported := failure(self.store, self.prefix):
+            code, line, node = reported  # no line where this node's own process wrote it: it said it already
+            self.reported_failure = WorkerFailed(line if node != self.node else None, code, node)
+        return self.reported_failure
+
+    def _watch(self) -> None:
+        polls = 0
+        while not self.stopping.wait(0.2):
+            pids = self._workers()
+            for pid in pids:  # the agent is stopping the workers (after it has named the first failure)
+                if process_state(pid) in STOPPED and _pending(pid, signal.SIGTERM):
+                    _signal(pid, signal.SIGKILL)
+            polls += 1
+            if polls % 5 == 0 and self._reported():  # this node's workers may be unable to leave
+                for pid in pids:
+                    _signal(pid, signal.SIGKILL if process_state(pid) in STOPPED else signal.SIGTERM)
+
+    def _workers(self) -> list[int]:
+        """The pids this node's workers published in the store (their watchdogs' first beat), each read once: the
+        store may be another node's, and a worker's pid does not change (the agent restarts none)."""
+        first = self.node * self.per_node
+        for rank in range(first, first + self.per_node):
+            key = f"{self.prefix}/process/{rank}"
+            try:
+                if rank not in self.pids and self.store.check([key]):
+                    self.pids[rank] = int(self.store.get(key).decode().split()[1])
+            except Exception:
+                break  # the store is gone: the watchdogs say so
+        return list(self.pids.values())
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` sent to process `pid` waits for it to act on it (proc(5): ShdPnd, a mask of signals)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it has exited already
