@@ -11,8 +11,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, compose_config, predict, run_dirs, train
+from starter.config_schema import PRECISIONS
 from starter.errors import UserError
-from starter.preflight import PRECISIONS, prepare
+from starter.preflight import prepare
 from starter.strategies.build import build_strategy
 from starter.topology import Layout, Traits
 
@@ -111,7 +112,7 @@ def test_each_trait_a_strategy_declares_drives_its_check(overrides, message, tmp
 
 
 def test_a_strategy_that_cannot_scale_fp16_is_refused_with_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 2)
     cfg = compose_config(["strategy=ddp", "devices=2", "accelerator=gpu", "precision=16-mixed",
                           "+strategy.traits.scales_fp16=no scaler"], tmp_path)  # fmt: skip
     with pytest.raises(UserError, match="strategy=ddp cannot scale fp16 losses \\(16-mixed\\): no scaler"):
@@ -321,10 +322,10 @@ def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
 
 
 def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 0)
     with pytest.raises(UserError, match="accelerator=gpu: this machine has no CUDA GPU; use accelerator=cpu"):
         prepare(compose_config(["accelerator=gpu"], tmp_path))
-    monkeypatch.setattr("starter.preflight.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match="devices=4: this machine has 2 CUDA GPU"):
         prepare(compose_config(["accelerator=gpu", "strategy=ddp", "devices=4"], tmp_path))
     cfg = compose_config(["accelerator=gpu", "strategy=dp", "devices=2", "precision=16-mixed"], tmp_path)

@@ -1,7 +1,6 @@
 """A config-group option that does not exist (`strategy=dpp`) is one line and exit 2 before Hydra composes anything, so
 no run directory is made: the options are read off the config folders (conf/, `--config-dir`, and each
-`hydra.searchpath` the command line or the primary config names). Groups none of them holds are left to Hydra. A value
-the composed config leaves to the user (`???`) and the user did not give is one line too."""
+`hydra.searchpath` the command line or the primary config names). Groups none of them holds are left to Hydra."""
 
 import importlib.resources
 import sys
@@ -9,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from starter.errors import USER_ERROR_EXIT_CODE, UserError
+from starter.errors import USER_ERROR_EXIT_CODE
 
 
 def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
@@ -60,24 +59,6 @@ def source_folder(spec: str):
         except ModuleNotFoundError:
             return None
     return Path(spec.removeprefix("file://"))
-
-
-def check_given(cfg) -> None:
-    """Every `???` of the composed config has a value (predict.py's `inputs`); OmegaConf would raise where one is first
-    read, with a traceback."""
-    if missing := unset(cfg):
-        raise UserError(f"{', '.join(missing)}: no value given; set {missing[0]}=... on the command line")
-
-
-def unset(node, prefix: str = "") -> list[str]:
-    """The keys whose value is `???`, no interpolation resolved (one may name a key the run settles later)."""
-    found = []
-    for key in node.keys() if OmegaConf.is_dict(node) else range(len(node)):
-        if OmegaConf.is_missing(node, key):
-            found.append(f"{prefix}{key}")
-        elif not OmegaConf.is_interpolation(node, key) and OmegaConf.is_config(child := node[key]):
-            found += unset(child, f"{prefix}{key}.")
-    return found
 
 
 def leaves(node, prefix: str = "") -> dict:

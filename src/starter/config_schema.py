@@ -1,12 +1,16 @@
-"""What the keys in conf/ take, checked before anything starts: a mistyped value is one line naming the key and what
-to give, not a traceback from the library that meets it mid-run. One table: a key the run's config does not hold
-(another group's option, a DataModule of one's own without it) is not checked; anything else the libraries refuse
-when the run builds its objects is caught there (run.build)."""
+"""What the keys in conf/ take, checked before anything starts: a value the user must give (`???`), the keys the
+launcher reads given once, and a mistyped value, each one line naming the key and what to give, not a traceback from
+the library that meets it mid-run. One table: a key the run's config does not hold (another group's option, a
+DataModule of one's own without it) is not checked; anything else the libraries refuse when the run builds its
+objects is caught there (run.build)."""
 
 import operator
 import re
+import signal
 
 from starter.errors import UserError
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 
 # key: kind (int, number, bool), bounds ("0..1": within, ">= 0", "> 0"), "or null" where null means
 # something. `number` takes a float or an int.
@@ -69,9 +73,19 @@ COMPARISONS = {">=": (operator.ge, "of {} or more"), ">": (operator.gt, "above {
 
 
 def check_schema(cfg) -> None:
-    """Raise a UserError, naming the key and what to give, for the first value of `cfg` the table refuses."""
+    """Raise a UserError, naming the key and what to give, for the first value of `cfg` that is not given, given
+    twice, or that the table refuses."""
     from omegaconf import OmegaConf
 
+    check_given(cfg)
+    _check_one_copy(cfg)
+    if str(cfg.precision) not in PRECISIONS:
+        raise UserError(f"precision={cfg.precision}: choose one of {', '.join(PRECISIONS)}")
+    if unknown := [name for name in cfg.get("stop_signals") or [] if name not in signal.Signals.__members__]:
+        raise UserError(
+            f"stop_signals: {', '.join(map(str, unknown))} is no signal here; use names such as SIGTERM,"
+            " SIGUSR1, SIGUSR2"
+        )
     for key, rule in SCHEMA.items():
         node, _, name = key.rpartition(".")
         parent = OmegaConf.select(cfg, node) if node else cfg
@@ -80,6 +94,43 @@ def check_schema(cfg) -> None:
         if (why := refused(parent[name], rule)) is not None:
             shown = "null" if parent[name] is None else parent[name]
             raise UserError(f"{key}={shown}: give {why}")
+
+
+def check_given(cfg) -> None:
+    """Every `???` of the composed config has a value (predict.py's `inputs`); OmegaConf would raise where one is first
+    read, with a traceback."""
+    if missing := unset(cfg):
+        raise UserError(f"{', '.join(missing)}: no value given; set {missing[0]}=... on the command line")
+
+
+def unset(node, prefix: str = "") -> list[str]:
+    """The keys whose value is `???`, no interpolation resolved (one may name a key the run settles later)."""
+    from omegaconf import OmegaConf
+
+    found = []
+    for key in node.keys() if OmegaConf.is_dict(node) else range(len(node)):
+        if OmegaConf.is_missing(node, key):
+            found.append(f"{prefix}{key}")
+        elif not OmegaConf.is_interpolation(node, key) and OmegaConf.is_config(child := node[key]):
+            found += unset(child, f"{prefix}{key}.")
+    return found
+
+
+def _check_one_copy(cfg) -> None:
+    """`accelerator`, `devices`, `num_nodes`, `precision` and `strategy` are top-level keys, the ones the checks and the
+    launcher read; `trainer.<key>` follows them (`${key}`) or is absent. One set there instead (`trainer.devices=2`,
+    as Lightning + Hydra templates choose devices) would start Lightning's own launcher behind ours: refused."""
+    from omegaconf import OmegaConf
+
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=False) if "trainer" in cfg else {}
+    for key in ("accelerator", "devices", "num_nodes", "precision", "strategy"):
+        if key in trainer and trainer[key] != f"${{{key}}}":
+            value = trainer[key] if not isinstance(trainer[key], dict) else trainer[key].get("_target_", "...")
+            instead = f"strategy={value} (a config group: conf/strategy/)" if key == "strategy" else f"{key}={value}"
+            raise UserError(
+                f"trainer.{key}={value}: set {instead} instead; the top-level key is the one this starter checks and"
+                " launches by"
+            )
 
 
 def refused(value, rule: str) -> str | None:

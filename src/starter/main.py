@@ -8,14 +8,12 @@ import multiprocessing
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from starter.config_choices import check_given
 from starter.errors import (
     INTERRUPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
@@ -25,17 +23,17 @@ from starter.errors import (
     interrupted,
     one_line,
 )
-from starter.launch.environment import launched_by, started_externally
+from starter.launch.environment import started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Traits, device_type, key_prefix, process_rank
+from starter.topology import Layout, Plan, device_type, process_rank
 
 log = logging.getLogger(__name__)
 
 TRAIN = "starter.run:run"  # the job each process runs: "module:function", called with the resolved config
 
 
-def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_training, job: str = TRAIN) -> float | None:
+def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_training, job: str = TRAIN) -> float | None:
     """Returns `cfg.optimized_metric` for Hydra sweepers. User errors exit with code 2 and one line."""
     logging.captureWarnings(True)  # Python's warnings to the log file (loggers/console.py); the console's are ours
     if multiprocessing.get_start_method(allow_none=True) not in (None, *multiprocessing.get_all_start_methods()):
@@ -44,25 +42,23 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
         multiprocessing.set_start_method(None, force=True)
     if started_externally() and process_rank() > 0:
         _quiet()  # ranks torchrun or srun started say their lines once, from rank 0, from the first line on
-    layout = None
+    plan = None
     try:
-        check_given(cfg)
-        layout = prepare(cfg)
+        plan = prepare(cfg)
         run_dir = Path(cfg.paths.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        launcher = launched_by(layout.world, Traits.of(cfg.strategy).multi_process)
         with open_dict(cfg):  # the log file this job's Hydra writes, which rank 0's worker continues
             cfg.log_file = str(run_dir / f"{HydraConfig.get().job.name if HydraConfig.initialized() else 'train'}.log")
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
-        log.info("%s: %s", cfg.task_name, what_runs(cfg, layout))
-        if launcher == "ours":
-            metrics = launch(cfg, config_path, layout, job)
-        elif launcher is not None:  # torchrun's workers, srun's tasks: each a rank
+        log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
+        if plan.launcher == "ours":
+            metrics = launch(cfg, config_path, plan, job)
+        elif plan.launcher is not None:  # torchrun's workers, srun's tasks: each a rank
             from starter.launch.watchdog import watch_external_ranks
 
             watchdog = watch_external_ranks(
-                launcher, layout.processes_per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s
+                plan.launcher, plan.layout.processes_per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s
             )
             with watchdog.reporting():
                 metrics = job_function(job)(OmegaConf.load(config_path))
@@ -75,7 +71,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
             _tell_the_other_nodes(cfg, USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", say=True)
         else:
             print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
-            if layout is None and process_rank() == 0:
+            if plan is None and process_rank() == 0:
                 _remove_unstarted_run_dir()
         raise SystemExit(USER_ERROR_EXIT_CODE) from None
     except Exception:
@@ -85,27 +81,18 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Layout] = prepare_trai
     return metrics.get(cfg.get("optimized_metric"))
 
 
+def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
+    from starter.launch.nodes import tell_the_other_nodes
+    from starter.launch.watchdog import linger_s
+
+    run = run_id(cfg)
+    tell_the_other_nodes(run, code, line, float(cfg.nodes_wait_s), linger_s(cfg.heartbeat_timeout_s), say=say)
+
+
 def _interrupted(cfg: DictConfig) -> None:
     if int(cfg.num_nodes) > 1:
         _tell_the_other_nodes(cfg, INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)")
     raise KeyboardInterrupt from None
-
-
-def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
-    """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
-    workers read it: they leave with `code`, saying it."""
-    from starter.launch.nodes import join_nodes, node_store
-    from starter.launch.watchdog import linger_s, report
-
-    store, address, port = node_store(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if store is None and address and port:  # failed before it joined the others: joins to tell them
-        try:
-            store = join_nodes(address, int(port), serve=_node_rank() == 0, timeout_s=float(cfg.nodes_wait_s))
-        except Exception:
-            store = None  # node 0 never came: said here only
-    report(store, code, line, _node_rank(), key_prefix(run_id(cfg)), say=say)  # under the workers' keys
-    if _node_rank() == 0 and store is not None:
-        time.sleep(linger_s(cfg.heartbeat_timeout_s))  # this job serves the store: the others read it first
 
 
 def _remove_unstarted_run_dir() -> None:
@@ -160,25 +147,26 @@ def job_function(job: str) -> Callable[[DictConfig], dict]:
     return getattr(importlib.import_module(module), name)
 
 
-def launch(cfg: DictConfig, config_path: Path, layout: Layout, job: str) -> dict:
+def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
     """One worker per device of this node, started by torch's elastic agent; rank 0 writes the run's outputs."""
     from starter.launch.agent import start_workers
     from starter.launch.nodes import meeting_config
     from starter.launch.watchdog import linger_s
 
+    run, meeting = run_id(cfg), meeting_config(cfg)
     try:
         start_workers(
             job,
             worker_preload(job),
             config_path,
-            layout,
-            run_id(cfg),
-            Traits.of(cfg.strategy).launcher,
+            plan.layout,
+            run,
+            plan.traits.launcher,
             stop_signals=list(cfg.stop_signals),
             grace_s=float(cfg.stop_grace_s),
             linger_s=linger_s(cfg.heartbeat_timeout_s),
             wait_s=float(cfg.nodes_wait_s),
-            meeting=meeting_config(cfg),
+            meeting=meeting,
         )
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why

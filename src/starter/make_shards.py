@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from starter.config_choices import check_given
+from starter.config_schema import check_given
 from starter.data.shard_set import DESCRIPTION, FORMAT, SPLITS, bucket_and_key, is_remote, join, read_text, s3_client
 from starter.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -122,7 +122,7 @@ def records_of(dataset, mode: str, check: bool):
 def make_shards(cfg: DictConfig) -> str:
     from hydra.utils import instantiate
 
-    from starter.preflight import settle_num_classes
+    from starter.data.settle import settle_num_classes
 
     out = str(cfg.out).rstrip("/")
     if read_text(join(out, DESCRIPTION)) is not None:

@@ -14,18 +14,21 @@ from omegaconf import DictConfig, open_dict
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import checkpoint_named
 from starter.errors import UserError
+from starter.launch.environment import check_rendezvous
 from starter.loggers.report import shown
 from starter.preflight import settle, whole_number
-from starter.topology import Layout, Traits
+from starter.topology import Layout, Plan, per_process_batch
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # rows printed, and the top classes each row lists
 
 
-def prepare(cfg: DictConfig) -> Layout:
+def prepare(cfg: DictConfig) -> Plan:
+    plan = settle(cfg)
     whole_number("batch_size", cfg.batch_size, 1)
-    layout, traits = settle(cfg, cfg.batch_size), Traits.of(cfg.strategy)
-    if not traits.whole_weights:
+    per_process_batch(cfg.batch_size, plan.layout.data_parallel)  # a global batch, shared equally
+    check_rendezvous(plan)
+    if not plan.traits.whole_weights:
         raise UserError(
             f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"
             " a checkpoint of any strategy loads into either"
@@ -34,7 +37,7 @@ def prepare(cfg: DictConfig) -> Layout:
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "inputs.txt").write_text("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
-    return layout
+    return plan
 
 
 def settle_weights(cfg: DictConfig) -> None:

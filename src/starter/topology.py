@@ -6,12 +6,15 @@ node, tensor and pipeline parallel sizes (absent: 1; null: every process); data 
 global batch is shared over it only.
 """
 
+import logging
 import os
 from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig, ListConfig
 
 from starter.errors import RANK_VARIABLES, UserError
+
+log = logging.getLogger(__name__)
 
 Support = bool | str
 STORE_KEY = "starter/watchdog"
@@ -85,6 +88,84 @@ class Layout:
                 " tensor parallel in each node, fsdp across)"
             )
         return cls(layout.nodes, per_node, tp, pp)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What preflight settled, handed on to the launch: the strategy's traits, its processes' layout, and who starts
+    them (launch/environment.launched_by: "ours", "torchrun", a scheduler; None: this process is the run)."""
+
+    traits: Traits
+    layout: Layout
+    launcher: str | None = None
+
+
+def lay_out(cfg: DictConfig) -> tuple[Traits, Layout]:
+    """The strategy's traits and the layout of its processes (devices and num_nodes settled), checked against each
+    other."""
+    traits = Traits.of(cfg.strategy)
+    _check_processes(cfg, traits)
+    return traits, Layout.of(cfg)
+
+
+def _check_processes(cfg: DictConfig, traits: Traits) -> None:
+    """A strategy of one process runs on one node, and on one device unless it drives them all (dp, on GPUs)."""
+    name, devices = cfg.strategy.name, device_count(cfg.devices)
+    if traits.multi_process:
+        return
+    if int(cfg.num_nodes) > 1:
+        raise UserError(f"strategy={name} is one process on one machine; use strategy=ddp for several nodes")
+    if traits.devices_per_process == "one" and devices > 1:
+        raise UserError(
+            f"strategy={name} runs one process on one device, but devices={devices}; "
+            f"use strategy=ddp (or ddp_spawn) for {devices} processes"
+        )
+    if devices > 1 and device_type(cfg) == "cpu":
+        raise UserError(
+            f"strategy={name} splits each batch over CUDA GPUs and this run is on CPU; "
+            f"use strategy=ddp devices={devices} for {devices} CPU processes"
+        )
+    if traits.devices_per_process == "all" and devices == 1:
+        log.info("strategy=%s with devices=1 is single-device training: there is nothing to split", name)
+
+
+def check_capabilities(cfg: DictConfig, plan: Plan) -> None:
+    """What the run asks for against what the strategy declares (conf/strategy/<name>.yaml, `traits`)."""
+    name, traits, layout = cfg.strategy.name, plan.traits, plan.layout
+    if cfg.get("compile") and (reason := why_not(traits.compiles)) is not None:
+        raise UserError(
+            f"compile=true with strategy={name}: {reason or 'not supported'}; use strategy=ddp"
+            " (or strategy=auto on one device)"
+        )
+    if cfg.precision == "16-mixed" and (reason := why_not(traits.scales_fp16)) is not None:
+        raise UserError(
+            f"strategy={name} cannot scale fp16 losses (16-mixed): {reason or 'not supported'};"
+            " use precision=bf16-mixed"
+        )
+    if cfg.trainer.get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
+        raise UserError(
+            f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave gradient clipping off"
+        )
+    averaging = (cfg.get("callbacks") or {}).get("weight_averaging") or {}
+    if averaging.get("decay") is not None and not traits.whole_weights:
+        raise UserError(
+            f"callbacks.weight_averaging.decay (weight averaging) needs whole weights in each"
+            f" process; strategy={name} shards them. Use strategy=ddp, or"
+            " callbacks.weight_averaging.decay=null"
+        )
+    if cfg.get("sync_batchnorm") and layout.world > 1:
+        if not traits.syncs_batchnorm:
+            raise UserError(f"sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy={name}")
+        if device_type(cfg) == "cpu":
+            raise UserError(
+                "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
+                " on CPU each process normalises with its own batch statistics"
+            )
+    if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
+        raise UserError(
+            f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
+            " CPU already; leave it false"
+        )
 
 
 def data_parallel_place(trainer) -> tuple[int, int]:

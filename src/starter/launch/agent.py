@@ -19,8 +19,6 @@ import signal
 import time
 from pathlib import Path
 
-from starter.callbacks.stop_agreement import saved_step
-from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
 from starter.launch.fork_server import fork_server
 from starter.launch.nodes import join_nodes, node_store, wait_for_all_nodes
 from starter.launch.oversight import Oversight
@@ -81,9 +79,7 @@ def start_workers(
     try:
         elastic_launch(config, work)(str(config_path), job, dict(os.environ, OMP_NUM_THREADS=str(threads)), os.getpid())
     except SignalException as stop:  # the agent forwarded it to the workers and gave them `grace_s` to end
-        raise WorkerFailed(
-            stopped_line(signal.Signals(stop.sigval).name, store, prefix, grace_s), PREEMPTED_EXIT_CODE
-        ) from None
+        raise oversight.stopped(signal.Signals(stop.sigval).name, grace_s) from None
     except ChildFailedError as err:
         failed = oversight.failed(err.get_first_failure())
         # this job serves the store: the other nodes read the failure from it first, but for the one that wrote it
@@ -92,14 +88,3 @@ def start_workers(
         raise failed from None
     finally:
         oversight.stop()
-
-
-def stopped_line(name: str, store, prefix: str, grace_s: float) -> str:
-    """What a stop signal to the launcher ended with: "after saving" only where rank 0 said last.ckpt is in place."""
-    if (step := saved_step(store, prefix)) is not None:
-        return f"stopped by {name} at step {step} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-    return (
-        f"stopped by {name}; checkpoints/last.ckpt was not saved: the workers did not reach the end of a step and save"
-        f" within stop_grace_s={grace_s:g} (raise it above a step and a save); ckpt_path=last resumes from the newest"
-        " checkpoint kept, if any"
-    )

@@ -5,12 +5,14 @@ import logging
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from starter.errors import UserError
-from starter.topology import device_count
+from starter.topology import Plan, device_count, device_type
 
 log = logging.getLogger(__name__)
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 def cuda_device_count() -> int:
@@ -94,6 +96,36 @@ def slurm_tasks() -> int:
     return 0 if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive") else int(os.environ.get("SLURM_NTASKS", 0))
 
 
+def settle_devices(cfg: DictConfig) -> None:
+    """Settle `accelerator` (cpu or gpu; auto: gpu where there is one), `devices=auto|-1|[i, ...]` and `num_nodes`
+    once (under torchrun, its sizes), so workers get plain values and a device that does not exist is one line here."""
+    if cfg.accelerator not in ACCELERATORS:
+        raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
+    adopt_torchrun_sizes(cfg)
+    gpus = cuda_device_count() if cfg.accelerator != "cpu" else 0
+    if cfg.accelerator != "auto" and cfg.accelerator != "cpu" and gpus == 0:
+        raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
+    cfg.accelerator = "gpu" if gpus else "cpu"
+    on_gpu, devices = device_type(cfg) == "cuda", cfg.devices
+    if devices in ("auto", -1, "-1"):
+        cfg.devices = gpus if on_gpu else 1
+        log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
+    elif isinstance(devices, (list, tuple, ListConfig)):
+        if not on_gpu:
+            raise UserError(
+                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
+            )
+        if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
+            raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
+    elif on_gpu and device_count(devices) > gpus:
+        raise UserError(
+            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
+            f" (or accelerator=cpu for {devices} CPU processes)"
+        )
+    if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
+        raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
+
+
 def adopt_torchrun_sizes(cfg: DictConfig) -> None:
     """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
     if torchrun_id() is None:
@@ -112,8 +144,12 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
     cfg.devices, cfg.num_nodes = local, nodes
 
 
-def check_rendezvous(nodes: int) -> None:
-    """The rendezvous variables train.py's agent needs on every node, checked before anything waits on them."""
+def check_rendezvous(plan: Plan) -> None:
+    """The rendezvous variables train.py's agent needs on every node, checked before anything waits on them (where
+    the agent starts the ranks)."""
+    if plan.launcher != "ours":
+        return
+    nodes = plan.layout.nodes
     if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
         raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
     if nodes == 1:

@@ -4,13 +4,15 @@ one is missing, has failed, or runs another config."""
 
 import hashlib
 import json
+import os
 import socket
 import time
 from datetime import timedelta
 
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import failure
+from starter.launch.watchdog import failure, report
+from starter.topology import key_prefix
 
 _node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
 
@@ -48,6 +50,26 @@ def free_port(address: str = "127.0.0.1") -> int:
 def node_store():
     """The store this job serves or shares with the other nodes' jobs; None before either."""
     return _node_store
+
+
+def tell_the_other_nodes(run_id: str, code: int, line: str, wait_s: float, linger_s: float, say: bool = False) -> None:
+    """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
+    workers read it: they leave with `code`, saying it. A node that failed before it joined the others joins to tell
+    them (within `wait_s`); node 0's job serves the store, and keeps it `linger_s` for the others to read."""
+    node, address, port = (
+        int(os.environ.get("NODE_RANK", 0)),
+        os.environ.get("MASTER_ADDR"),
+        os.environ.get("MASTER_PORT"),
+    )
+    store = node_store()
+    if store is None and address and port:
+        try:
+            store = join_nodes(address, int(port), serve=node == 0, timeout_s=wait_s)
+        except Exception:
+            store = None  # node 0 never came: said here only
+    report(store, code, line, node, key_prefix(run_id), say=say)  # under the workers' keys
+    if node == 0 and store is not None:
+        time.sleep(linger_s)
 
 
 def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float, config: str) -> None:

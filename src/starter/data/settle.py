@@ -1,0 +1,62 @@
+"""What the data config leaves to the data itself, read before anything starts: a shard set's image shape and class
+count (its shards.json), an image folder's class count (its class folders), and whether the DataModule shards its
+data itself (then `data.batch_size` is the global batch, shared equally over the data-parallel processes)."""
+
+import importlib.util
+from pathlib import Path
+
+from omegaconf import DictConfig, open_dict
+
+from starter.data.shard_set import describe  # full examples
+from starter.declared import declared
+from starter.errors import UserError
+from starter.topology import Layout, per_process_batch
+
+
+def settle_data(cfg: DictConfig, layout: Layout) -> int | None:
+    """Settle `cfg.data` in place; the global batch where the DataModule shards itself, else None (another's batch
+    size is its own)."""
+    with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
+        cfg.data = cfg.get("data") or {}
+    _settle_shards(cfg)  # full examples
+    settle_num_classes(cfg)
+    if not data_shards_itself(cfg.data):
+        return None
+    per_process_batch(cfg.data.batch_size, layout.data_parallel)
+    return cfg.data.batch_size
+
+
+def data_shards_itself(data: DictConfig) -> bool:
+    """Whether the DataModule declares that it shards its data itself (`shards_itself = True`, as ShardedDataModule
+    does): then `data.batch_size` is the global batch, checked here. Any other is sharded as Lightning shards it (its
+    DistributedSampler), with the batch size its DataLoaders give. Read off its class's source (declared.py); what
+    the source does not say is decided by the class itself in each process (run.py), and checked there."""
+    return "_target_" in data and bool(declared(str(data._target_), "shards_itself", key="data._target_"))
+
+
+# full examples: begin
+def _settle_shards(cfg: DictConfig) -> None:
+    """A shard set's image shape and class count, when the config leaves them out (null): its shards.json."""
+    if "source" not in cfg.data:
+        return
+    if importlib.util.find_spec("litdata") is None:
+        raise UserError("data=shards needs litdata: pip install -e '.[shards]'")
+    described = describe(cfg.data.source)
+    for key in ("image_shape", "num_classes"):
+        if cfg.data.get(key) is None:
+            cfg.data[key] = described[key]
+
+
+# full examples: end
+def settle_num_classes(cfg: DictConfig) -> None:
+    """An image folder's class count, when the config leaves it out (null): its class folders under train/."""
+    if cfg.data.get("num_classes", 0) is not None or "root" not in cfg.data:
+        return
+    train = Path(cfg.data.root) / "train"
+    if not train.is_dir():
+        raise UserError(
+            f"no directory {train}: data.num_classes is read from its class folders; point data.root"
+            " at a tree of <root>/train/<class>/* and <root>/val/<class>/*, or give"
+            " data.num_classes"
+        )
+    cfg.data.num_classes = sum(1 for entry in train.iterdir() if entry.is_dir())
