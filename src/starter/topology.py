@@ -70,7 +70,7 @@ class Layout:
 
     @classmethod
     def of(cls, cfg: DictConfig) -> "Layout":
-        """The layout of `cfg` (devices and num_nodes settled: preflight.prepare)."""
+        """The layout of `cfg` (devices and num_nodes settled: launch/environment.settle_devices)."""
         traits = Traits.of(cfg.strategy)
         per_node = device_count(cfg.devices) if traits.multi_process else 1
         layout = cls(int(cfg.num_nodes), per_node)

@@ -2,7 +2,7 @@
 count (its shards.json), an image folder's class count (its class folders), and whether the DataModule shards its
 data itself (then `data.batch_size` is the global batch, shared equally over the data-parallel processes)."""
 
-import importlib.util
+import importlib.util  # full examples
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
