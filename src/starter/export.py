@@ -8,8 +8,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch import nn
 
+from starter.config_schema import check_schema
 from starter.errors import UserError, first_line
-from starter.launch.environment import check_rendezvous
 from starter.loggers.report import shown
 from starter.predict import settle_weights
 from starter.preflight import settle
@@ -21,12 +21,12 @@ ONNX_INSIDE_LIMIT = 2**31 - 2**26  # bytes of weights kept inside model.onnx: 2 
 
 
 def prepare(cfg: DictConfig) -> Plan:
-    plan = settle(cfg)
-    check_rendezvous(plan)
+    check_schema(cfg)
     if cfg.format not in FORMATS:
         raise UserError(f"format={cfg.format}: choose one of {', '.join(FORMATS)}")
     if cfg.format == "onnx" and (missing := [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]):
         raise UserError(f"format=onnx needs {', '.join(missing)}: pip install -e '.[export]' (or format=torch_export)")
+    plan = settle(cfg, 1)
     if plan.layout.world != 1:
         raise UserError("export runs one process: leave devices and num_nodes at 1")
     settle_weights(cfg)

@@ -64,34 +64,34 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
                 metrics = job_function(job)(OmegaConf.load(config_path))
         else:
             metrics = job_function(job)(OmegaConf.load(config_path))
-    except KeyboardInterrupt:  # Ctrl-C in this node's terminal: errors.end_without_teardown says it
-        _interrupted(cfg)
-    except UserError as err:
-        if int(cfg.num_nodes) > 1:  # the other nodes stop too, and say it
-            _tell_the_other_nodes(cfg, USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}", say=True)
-        else:
-            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
-            if plan is None and process_rank() == 0:
-                _remove_unstarted_run_dir()
-        raise SystemExit(USER_ERROR_EXIT_CODE) from None
-    except Exception:
-        if not interrupted():
-            raise
-        _interrupted(cfg)  # what Ctrl-C broke on its way out (errors.catch_ctrl_c)
+    except (KeyboardInterrupt, Exception) as err:
+        if not isinstance(err, (KeyboardInterrupt, UserError)) and not interrupted():
+            raise  # a bug: its traceback
+        _end(cfg, err, started=plan is not None)
     return metrics.get(cfg.get("optimized_metric"))
 
 
-def _tell_the_other_nodes(cfg: DictConfig, code: int, line: str, say: bool = False) -> None:
-    from starter.launch.nodes import tell_the_other_nodes
-    from starter.launch.watchdog import linger_s
-
-    run = run_id(cfg)
-    tell_the_other_nodes(run, code, line, float(cfg.nodes_wait_s), linger_s(cfg.heartbeat_timeout_s), say=say)
-
-
-def _interrupted(cfg: DictConfig) -> None:
+def _end(cfg: DictConfig, err: BaseException, started: bool) -> None:
+    """How the job ends on a user error (one line, exit 2) or Ctrl-C in this node's terminal, or what Ctrl-C broke on
+    its way out (errors.catch_ctrl_c; KeyboardInterrupt, which errors.end_without_teardown says). On several nodes
+    the other nodes are told first (`tell_the_other_nodes`): they stop too, and say it."""
+    user_error = isinstance(err, UserError)
+    if user_error:
+        code, line = USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}"
+    else:
+        code, line = INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)"
     if int(cfg.num_nodes) > 1:
-        _tell_the_other_nodes(cfg, INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)")
+        from starter.launch.nodes import tell_the_other_nodes
+        from starter.launch.watchdog import linger_s
+
+        run = run_id(cfg)
+        tell_the_other_nodes(run, code, line, float(cfg.nodes_wait_s), linger_s(cfg.heartbeat_timeout_s), user_error)
+    elif user_error:
+        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        if not started and process_rank() == 0:
+            _remove_unstarted_run_dir()
+    if user_error:
+        raise SystemExit(USER_ERROR_EXIT_CODE) from None
     raise KeyboardInterrupt from None
 
 
@@ -150,10 +150,9 @@ def job_function(job: str) -> Callable[[DictConfig], dict]:
 def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
     """One worker per device of this node, started by torch's elastic agent; rank 0 writes the run's outputs."""
     from starter.launch.agent import start_workers
-    from starter.launch.nodes import meeting_config
     from starter.launch.watchdog import linger_s
 
-    run, meeting = run_id(cfg), meeting_config(cfg)
+    run = run_id(cfg)
     try:
         start_workers(
             job,
@@ -166,7 +165,7 @@ def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
             grace_s=float(cfg.stop_grace_s),
             linger_s=linger_s(cfg.heartbeat_timeout_s),
             wait_s=float(cfg.nodes_wait_s),
-            meeting=meeting,
+            composed=cfg,
         )
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why

@@ -13,21 +13,20 @@ from omegaconf import DictConfig, open_dict
 
 from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import checkpoint_named
+from starter.config_schema import check_schema
 from starter.errors import UserError
-from starter.launch.environment import check_rendezvous
 from starter.loggers.report import shown
 from starter.preflight import settle, whole_number
-from starter.topology import Layout, Plan, per_process_batch
+from starter.topology import Layout, Plan
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # rows printed, and the top classes each row lists
 
 
 def prepare(cfg: DictConfig) -> Plan:
-    plan = settle(cfg)
+    check_schema(cfg)
     whole_number("batch_size", cfg.batch_size, 1)
-    per_process_batch(cfg.batch_size, plan.layout.data_parallel)  # a global batch, shared equally
-    check_rendezvous(plan)
+    plan = settle(cfg, cfg.batch_size)  # a global batch, shared equally
     if not plan.traits.whole_weights:
         raise UserError(
             f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"

@@ -1,5 +1,5 @@
 """Every decision made before anything heavy is imported or any process started: `prepare(cfg)` settles the config in
-place in one pass (its values, devices, layout and launcher; its data; what it resumes) and hands on the plan
+place in one pass (its values; its data; devices, layout and launcher; what it resumes) and hands on the plan
 (topology.Plan). Anything a user can get wrong fails here, in one line."""
 
 import importlib.util
@@ -12,20 +12,19 @@ from starter.checkpointing.resume import check_sharded, resolve_ckpt_path, saved
 from starter.config_schema import check_schema
 from starter.data.settle import settle_data
 from starter.errors import UserError
-from starter.launch.environment import check_rendezvous, launched_by, settle_devices
+from starter.launch.environment import launch_plan, settle_devices
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
-from starter.topology import Plan, check_capabilities, lay_out
+from starter.topology import Plan, lay_out
 
 LOGGER_PACKAGES = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}  # logger: its extra
 
 
 def prepare(cfg: DictConfig) -> Plan:
     """Validate a training run's `cfg`, settle it in place, and return its plan."""
-    plan = settle(cfg)
-    global_batch = settle_data(cfg, plan.layout)
-    check_rendezvous(plan)
-    check_capabilities(cfg, plan)
+    check_schema(cfg)  # given, once, of the types and ranges conf/ takes (config_schema.py)
+    global_batch = settle_data(cfg)
+    plan = settle(cfg, global_batch)
     modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
     for name in cfg.get("logger") or {}:
         if name in LOGGER_PACKAGES and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
@@ -48,17 +47,17 @@ def prepare(cfg: DictConfig) -> Plan:
     if path is not None and path.is_dir() and saved is not None:
         check_cut(path, saved, cfg, plan.layout)
     if pipelined(cfg.strategy, plan.layout):
-        check_pipeline(cfg, plan.layout, global_batch)
+        check_pipeline(cfg, plan)
     return plan
 
 
-def settle(cfg: DictConfig) -> Plan:
-    """What every run settles (training, predict, export): its values, accelerator and devices, the layout of its
-    processes and who starts them; then each checks its own (a global batch's shares) and the rendezvous."""
-    check_schema(cfg)  # given, once, of the types and ranges conf/ takes (config_schema.py)
+def settle(cfg: DictConfig, global_batch: int | None) -> Plan:
+    """What every run settles once its values are checked (training, predict, export): accelerator and devices, the
+    layout of its processes and each one's share of `global_batch` (None: a batch that is each process's own), who
+    starts them."""
     settle_devices(cfg)
-    traits, layout = lay_out(cfg)
-    return Plan(traits, layout, launched_by(layout.world, traits.multi_process))
+    plan = lay_out(cfg, global_batch)
+    return launch_plan(plan)
 
 
 def whole_number(key: str, value, least: int, most: int | None = None) -> None:

@@ -92,20 +92,25 @@ class Layout:
 
 @dataclass(frozen=True)
 class Plan:
-    """What preflight settled, handed on to the launch: the strategy's traits, its processes' layout, and who starts
-    them (launch/environment.launched_by: "ours", "torchrun", a scheduler; None: this process is the run)."""
+    """What preflight settled, handed on to the launch: the strategy's traits, its processes' layout, each process's
+    share of a global batch (None: each process's batch is its own), and who starts the processes
+    (launch/environment.launch_plan: "ours", "torchrun", a scheduler; None: this process is the run)."""
 
     traits: Traits
     layout: Layout
+    process_batch: int | None = None
     launcher: str | None = None
 
 
-def lay_out(cfg: DictConfig) -> tuple[Traits, Layout]:
-    """The strategy's traits and the layout of its processes (devices and num_nodes settled), checked against each
-    other."""
+def lay_out(cfg: DictConfig, global_batch: int | None) -> Plan:
+    """The strategy's traits and the layout of its processes (devices and num_nodes settled), and the run checked
+    against both: its processes, each one's share of `global_batch`, what it asks of the strategy."""
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
-    return traits, Layout.of(cfg)
+    layout = Layout.of(cfg)
+    shares = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else None
+    _check_capabilities(cfg, traits, layout)
+    return Plan(traits, layout, shares)
 
 
 def _check_processes(cfg: DictConfig, traits: Traits) -> None:
@@ -129,9 +134,9 @@ def _check_processes(cfg: DictConfig, traits: Traits) -> None:
         log.info("strategy=%s with devices=1 is single-device training: there is nothing to split", name)
 
 
-def check_capabilities(cfg: DictConfig, plan: Plan) -> None:
+def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None:
     """What the run asks for against what the strategy declares (conf/strategy/<name>.yaml, `traits`)."""
-    name, traits, layout = cfg.strategy.name, plan.traits, plan.layout
+    name = cfg.strategy.name
     if cfg.get("compile") and (reason := why_not(traits.compiles)) is not None:
         raise UserError(
             f"compile=true with strategy={name}: {reason or 'not supported'}; use strategy=ddp"
@@ -142,7 +147,7 @@ def check_capabilities(cfg: DictConfig, plan: Plan) -> None:
             f"strategy={name} cannot scale fp16 losses (16-mixed): {reason or 'not supported'};"
             " use precision=bf16-mixed"
         )
-    if cfg.trainer.get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
+    if (cfg.get("trainer") or {}).get("gradient_clip_val") and (reason := why_not(traits.clips_gradients)) is not None:
         raise UserError(
             f"trainer.gradient_clip_val with strategy={name}: {reason or 'not supported'}; leave gradient clipping off"
         )

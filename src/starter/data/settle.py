@@ -10,28 +10,21 @@ from omegaconf import DictConfig, open_dict
 from starter.data.shard_set import describe  # full examples
 from starter.declared import declared
 from starter.errors import UserError
-from starter.topology import Layout, per_process_batch
 
 
-def settle_data(cfg: DictConfig, layout: Layout) -> int | None:
-    """Settle `cfg.data` in place; the global batch where the DataModule shards itself, else None (another's batch
-    size is its own)."""
+def settle_data(cfg: DictConfig) -> int | None:
+    """Settle `cfg.data` in place; the global batch where the DataModule declares that it shards its data itself
+    (`shards_itself = True`, as ShardedDataModule does: its share per process is checked with the layout). Any other
+    is sharded as Lightning shards it (its DistributedSampler), with the batch size its DataLoaders give: None. Read
+    off its class's source (declared.py); what the source does not say is decided by the class itself in each
+    process (run.py), and checked there."""
     with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
         cfg.data = cfg.get("data") or {}
-    _settle_shards(cfg)  # full examples
     settle_num_classes(cfg)
-    if not data_shards_itself(cfg.data):
-        return None
-    per_process_batch(cfg.data.batch_size, layout.data_parallel)
-    return cfg.data.batch_size
-
-
-def data_shards_itself(data: DictConfig) -> bool:
-    """Whether the DataModule declares that it shards its data itself (`shards_itself = True`, as ShardedDataModule
-    does): then `data.batch_size` is the global batch, checked here. Any other is sharded as Lightning shards it (its
-    DistributedSampler), with the batch size its DataLoaders give. Read off its class's source (declared.py); what
-    the source does not say is decided by the class itself in each process (run.py), and checked there."""
-    return "_target_" in data and bool(declared(str(data._target_), "shards_itself", key="data._target_"))
+    _settle_shards(cfg)  # full examples
+    target = cfg.data.get("_target_")
+    shards_itself = target is not None and declared(str(target), "shards_itself", key="data._target_")
+    return cfg.data.batch_size if shards_itself else None
 
 
 # full examples: begin

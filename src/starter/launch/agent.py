@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from starter.launch.fork_server import fork_server
-from starter.launch.nodes import join_nodes, node_store, wait_for_all_nodes
+from starter.launch.nodes import join_nodes, meeting_config, node_store, wait_for_all_nodes
 from starter.launch.oversight import Oversight
 from starter.launch.worker import work
 from starter.topology import Layout, key_prefix
@@ -37,10 +37,10 @@ def start_workers(
     grace_s: float = 10.0,
     linger_s: float = 0.0,
     wait_s: float = 300.0,
-    meeting: str = "",
+    composed=None,
 ) -> None:
     """Runs `job` ("module:function") with the config at `config_path` in one worker per device of this node.
-    `meeting`: what this node's config must agree on with node 0's (meeting_config)."""
+    `composed`: the job's config as composed, what this node must agree on with node 0 (nodes.meeting_config)."""
     devices, node = layout.processes_per_node, int(os.environ.get("NODE_RANK", 0))
     # OMP_NUM_THREADS as torchrun's: the cores shared out, not every worker running a thread per core of the machine
     threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // devices)))
@@ -59,6 +59,7 @@ def start_workers(
     port = int(os.environ.get("MASTER_PORT") or 0)
     store = (layout.nodes > 1 and node_store()) or join_nodes(address, port, serve=node == 0)
     prefix = key_prefix(run_id)
+    meeting = meeting_config(composed) if composed is not None else "{}"
     wait_for_all_nodes(store, prefix, layout.nodes, node, wait_s, meeting)
     config = LaunchConfig(
         min_nodes=layout.nodes,

@@ -3,6 +3,7 @@ ranks, the rendezvous variables several nodes need."""
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
@@ -144,12 +145,17 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
     cfg.devices, cfg.num_nodes = local, nodes
 
 
-def check_rendezvous(plan: Plan) -> None:
-    """The rendezvous variables train.py's agent needs on every node, checked before anything waits on them (where
-    the agent starts the ranks)."""
-    if plan.launcher != "ours":
-        return
-    nodes = plan.layout.nodes
+def launch_plan(plan: Plan) -> Plan:
+    """`plan` with who starts its processes (launched_by); where train.py's agent does, the rendezvous variables it
+    needs on every node, checked before anything waits on them."""
+    plan = replace(plan, launcher=launched_by(plan.layout.world, plan.traits.multi_process))
+    if plan.launcher == "ours":
+        check_rendezvous(plan.layout.nodes)
+    return plan
+
+
+def check_rendezvous(nodes: int) -> None:
+    """The rendezvous variables train.py's agent needs on every node."""
     if os.environ.get("MASTER_PORT") and not os.environ.get("MASTER_ADDR"):
         raise UserError("MASTER_PORT is set but MASTER_ADDR is not; set MASTER_ADDR to the host of node 0")
     if nodes == 1:

@@ -4,7 +4,7 @@ the cut of the net a sharded checkpoint was saved with. Imports nothing heavy; s
 from omegaconf import DictConfig
 
 from starter.errors import UserError
-from starter.topology import Layout, Traits, per_process_batch
+from starter.topology import Layout, Plan, Traits
 
 PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -19,10 +19,10 @@ def pipelined(strategy_cfg: DictConfig, layout: Layout) -> bool:
     return Traits.of(strategy_cfg).pipeline or layout.pipeline_parallel > 1
 
 
-def check_pipeline(cfg: DictConfig, layout: Layout, global_batch: int | None) -> None:
-    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them.
-    `global_batch`: None where the DataModule's batch is its own (the pipeline checks it as it splits it)."""
-    strategy, stages = cfg.strategy, layout.pipeline_parallel
+def check_pipeline(cfg: DictConfig, plan: Plan) -> None:
+    """A pipeline runs each process's batch as micro-batches through its stages, by a schedule that fits them
+    (`plan.process_batch` None: the DataModule's batch is its own, checked by the pipeline as it splits it)."""
+    strategy, stages = cfg.strategy, plan.layout.pipeline_parallel
     if cfg.get("compile"):
         raise UserError(
             "compile=true with a pipeline: the pipeline schedule runs the stages; use strategy=ddp or"
@@ -38,7 +38,7 @@ def check_pipeline(cfg: DictConfig, layout: Layout, global_batch: int | None) ->
             f"strategy.schedule={schedule} with strategy.stages_per_rank={per_process}: gpipe and 1f1b run"
             f" one stage per process, interleaved_1f1b several; use {fix}"
         )
-    batch = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else 0
+    batch = plan.process_batch or 0
     if batch % micro:
         raise UserError(
             f"data.batch_size={cfg.data.batch_size} gives each pipeline {batch} samples a step,"
