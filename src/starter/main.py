@@ -52,13 +52,13 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
-        if plan.launcher == "ours":
+        if plan.started_by == "ours":
             metrics = launch(cfg, config_path, plan, job)
-        elif plan.launcher is not None:  # torchrun's workers, srun's tasks: each a rank
+        elif plan.started_by is not None:  # torchrun's workers, srun's tasks: each a rank
             from starter.launch.watchdog import watch_external_ranks
 
             watchdog = watch_external_ranks(
-                plan.launcher, plan.layout.processes_per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s
+                plan.started_by, plan.layout.processes_per_node, cfg.heartbeat_timeout_s, cfg.stall_timeout_s
             )
             with watchdog.reporting():
                 metrics = job_function(job)(OmegaConf.load(config_path))

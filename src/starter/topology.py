@@ -99,7 +99,7 @@ class Plan:
     traits: Traits
     layout: Layout
     process_batch: int | None = None
-    launcher: str | None = None
+    started_by: str | None = None
 
 
 def lay_out(cfg: DictConfig, global_batch: int | None) -> Plan:

@@ -148,8 +148,8 @@ def adopt_torchrun_sizes(cfg: DictConfig) -> None:
 def launch_plan(plan: Plan) -> Plan:
     """`plan` with who starts its processes (launched_by); where train.py's agent does, the rendezvous variables it
     needs on every node, checked before anything waits on them."""
-    plan = replace(plan, launcher=launched_by(plan.layout.world, plan.traits.multi_process))
-    if plan.launcher == "ours":
+    plan = replace(plan, started_by=launched_by(plan.layout.world, plan.traits.multi_process))
+    if plan.started_by == "ours":
         check_rendezvous(plan.layout.nodes)
     return plan
 
