@@ -273,6 +273,12 @@ def test_a_mistyped_value_is_refused_before_the_run_in_one_line_naming_its_key(t
     assert not list(tmp_path.glob("logs/train/runs/*"))
 
 
+def test_a_node_count_that_is_no_number_is_one_line_not_a_traceback_from_the_run_directorys_name(tmp_path):
+    # num_nodes names the run directory (several nodes share one name) and how the job ends: both read it as given
+    proc = train(tmp_path, "debug=fdr", "num_nodes=abc", expect_ok=False)
+    assert (proc.returncode, proc.stderr) == (2, "error: num_nodes=abc: give a whole number of 1 or more\n")
+
+
 @pytest.mark.slow  # each builds a run's objects
 def test_a_value_a_library_refuses_as_the_run_builds_is_one_line_naming_its_key_and_exit_2(tmp_path):
     for case, (override, said) in enumerate(REFUSED_AS_BUILT):

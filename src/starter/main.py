@@ -26,7 +26,7 @@ from starter.errors import (
 from starter.launch.environment import started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Plan, device_type, process_rank
+from starter.topology import Layout, Plan, device_type, nodes_given, process_rank
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _end(cfg: DictConfig, err: BaseException, started: bool) -> None:
         code, line = USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}"
     else:
         code, line = INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)"
-    if int(cfg.num_nodes) > 1:
+    if nodes_given(cfg.num_nodes) > 1:
         from starter.launch.nodes import tell_the_other_nodes
         from starter.launch.watchdog import linger_s
 

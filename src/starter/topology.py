@@ -204,6 +204,12 @@ def _size(strategy_cfg: DictConfig, key: str, world: int) -> int:
     return world if value is None else int(value)
 
 
+def nodes_given(num_nodes) -> int:
+    """`num_nodes` as given where it is a whole number; 1 where it is not, for what runs before or after the check that
+    refuses it in one line (config_schema): the run directory's name, the job's end."""
+    return int(num_nodes) if isinstance(num_nodes, int) or str(num_nodes).isdigit() else 1
+
+
 def device_count(devices) -> int:
     """Devices per node for `devices` once settled: a count, or a list of GPU indices."""
     if isinstance(devices, int) and not isinstance(devices, bool):

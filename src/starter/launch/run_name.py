@@ -8,6 +8,7 @@ from datetime import datetime
 from functools import cache
 
 from starter.launch.environment import slurm_tasks, torchrun_id
+from starter.topology import nodes_given
 
 KEY = "starter/run_name"
 
@@ -29,7 +30,7 @@ def run_name(num_nodes: int = 1) -> str:
         return f"lsf-{os.environ['LSB_JOBID']}"
     if "KUBERNETES_PORT" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # a PyTorchJob's pods
         return f"kubeflow-{os.environ['MASTER_ADDR']}"  # its master pod's service: the job's name
-    if int(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
+    if nodes_given(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
         from starter.launch.nodes import join_nodes
 
         node_zero = int(os.environ["NODE_RANK"]) == 0
