@@ -28,6 +28,7 @@ SCHEMA = {
     "sync_batchnorm": "bool",
     "tf32": "bool",
     "verbose": "bool",
+    "batch_size": "int >= 1",  # predict.py's, global
     "data.batch_size": "int >= 1",
     "data.num_workers": "int >= 0",
     "data.pin_memory": "bool",

@@ -26,7 +26,7 @@ from starter.errors import (
 from starter.launch.environment import started_externally
 from starter.loggers.report import shown
 from starter.preflight import prepare as prepare_training
-from starter.topology import Layout, Plan, device_type, nodes_given, process_rank
+from starter.topology import Layout, Plan, device_type, node_rank, nodes_given, process_rank
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ def _end(cfg: DictConfig, err: BaseException, started: bool) -> None:
     the other nodes are told first (`tell_the_other_nodes`): they stop too, and say it."""
     user_error = isinstance(err, UserError)
     if user_error:
-        code, line = USER_ERROR_EXIT_CODE, f"node {_node_rank()}: {one_line(err)}"
+        code, line = USER_ERROR_EXIT_CODE, f"node {node_rank()}: {one_line(err)}"
     else:
-        code, line = INTERRUPTED_EXIT_CODE, f"node {_node_rank()} was interrupted (Ctrl-C)"
+        code, line = INTERRUPTED_EXIT_CODE, f"node {node_rank()} was interrupted (Ctrl-C)"
     if nodes_given(cfg.num_nodes) > 1:
         from starter.launch.nodes import tell_the_other_nodes
         from starter.launch.watchdog import linger_s
@@ -172,7 +172,7 @@ def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
             print(f"error: {err.message}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
     metrics = Path(cfg.paths.output_dir) / "metrics.json"  # where the job reports figures (training does)
-    return json.loads(metrics.read_text()) if _node_rank() == 0 and metrics.is_file() else {}
+    return json.loads(metrics.read_text()) if node_rank() == 0 and metrics.is_file() else {}
 
 
 def run_id(cfg: DictConfig) -> str:
@@ -200,7 +200,3 @@ def save_resolved(cfg: DictConfig, path: Path) -> Path:
         raise UserError(f"{err.full_key}: {' '.join(first_line(err, named=False).split())}") from None
     os.replace(temporary, path)
     return path
-
-
-def _node_rank() -> int:
-    return int(os.environ.get("NODE_RANK", 0))

@@ -16,7 +16,7 @@ from starter.checkpointing.resume import checkpoint_named
 from starter.config_schema import check_schema
 from starter.errors import UserError
 from starter.loggers.report import shown
-from starter.preflight import settle, whole_number
+from starter.preflight import settle
 from starter.topology import Layout, Plan
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,6 @@ SHOWN = 5  # rows printed, and the top classes each row lists
 
 def prepare(cfg: DictConfig) -> Plan:
     check_schema(cfg)
-    whole_number("batch_size", cfg.batch_size, 1)
     plan = settle(cfg, cfg.batch_size)  # a global batch, shared equally
     if not plan.traits.whole_weights:
         raise UserError(

@@ -58,9 +58,3 @@ def settle(cfg: DictConfig, global_batch: int | None) -> Plan:
     settle_devices(cfg)
     plan = lay_out(cfg, global_batch)
     return launch_plan(plan)
-
-
-def whole_number(key: str, value, least: int, most: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
-        within = f"from {least} to {most}" if most is not None else f"of {least} or more"
-        raise UserError(f"{key}={'null' if value is None else value}: give a whole number {within}")

@@ -16,7 +16,7 @@ from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
-from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line, stopped_after_saving
 from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -80,11 +80,7 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
                 trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         except SIGTERMException:
             if trainer.is_global_zero:
-                log.warning(
-                    "stopped by a stop signal at step %d after saving checkpoints/last.ckpt; resume with"
-                    " ckpt_path=last",
-                    trainer.global_step,
-                )
+                log.warning("%s", stopped_after_saving("a stop signal", trainer.global_step))
             raise SystemExit(PREEMPTED_EXIT_CODE) from None
         metrics |= _floats(trainer.callback_metrics)
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)

@@ -185,6 +185,11 @@ def process_rank() -> int:
     return int(next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), 0))
 
 
+def node_rank() -> int:
+    """This node's rank among the run's nodes (NODE_RANK, as `torchrun --node-rank`); 0 for one node."""
+    return int(os.environ.get("NODE_RANK", 0))
+
+
 def key_prefix(run_id: str | None = None) -> str:
     """The run's keys in its store (the one every process of a several-process run reaches at MASTER_ADDR:MASTER_PORT),
     namespaced per run id and attempt of torch's agent (this process's, or `run_id`'s first): the agent's store

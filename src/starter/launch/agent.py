@@ -23,7 +23,7 @@ from starter.launch.fork_server import fork_server
 from starter.launch.nodes import join_nodes, meeting_config, node_store, wait_for_all_nodes
 from starter.launch.oversight import Oversight
 from starter.launch.worker import work
-from starter.topology import Layout, key_prefix
+from starter.topology import Layout, key_prefix, node_rank
 
 
 def start_workers(
@@ -41,7 +41,7 @@ def start_workers(
 ) -> None:
     """Runs `job` ("module:function") with the config at `config_path` in one worker per device of this node.
     `composed`: the job's config as composed, what this node must agree on with node 0 (nodes.meeting_config)."""
-    devices, node = layout.processes_per_node, int(os.environ.get("NODE_RANK", 0))
+    devices, node = layout.processes_per_node, node_rank()
     # OMP_NUM_THREADS as torchrun's: the cores shared out, not every worker running a thread per core of the machine
     threads = int(os.environ.get("OMP_NUM_THREADS", max(1, len(os.sched_getaffinity(0)) // devices)))
     if start_method == "forkserver":

@@ -1,6 +1,6 @@
 """How the jobs of a run's nodes meet: the store they share (node 0's job serves it at MASTER_ADDR:MASTER_PORT; one
-node's on a free port), and the wait until every node is ready with the config node 0 has, said in one line where
-one is missing, has failed, or runs another config."""
+node's on a free port), the wait until every node is ready with the config node 0 has, said in one line where one
+is missing, has failed, or runs another config, and a node's failure told to the others."""
 
 import hashlib
 import json
@@ -12,7 +12,7 @@ from datetime import timedelta
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
 from starter.launch.watchdog import failure, report
-from starter.topology import key_prefix
+from starter.topology import key_prefix, node_rank
 
 _node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
 
@@ -56,11 +56,7 @@ def tell_the_other_nodes(run_id: str, code: int, line: str, wait_s: float, linge
     """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
     workers read it: they leave with `code`, saying it. A node that failed before it joined the others joins to tell
     them (within `wait_s`); node 0's job serves the store, and keeps it `linger_s` for the others to read."""
-    node, address, port = (
-        int(os.environ.get("NODE_RANK", 0)),
-        os.environ.get("MASTER_ADDR"),
-        os.environ.get("MASTER_PORT"),
-    )
+    node, address, port = node_rank(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     store = node_store()
     if store is None and address and port:
         try:

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from starter.callbacks.stop_agreement import saved_step
-from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
+from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed, stopped_after_saving
 from starter.launch.watchdog import failure, process_state, report, where
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
@@ -37,18 +37,14 @@ class Oversight:
             report(self.store, 128 - process.exitcode, line, self.node, self.prefix)
             return WorkerFailed(None, 128 - process.exitcode)
         if process.exitcode == PREEMPTED_EXIT_CODE:
-            return WorkerFailed(
-                "stopped by a stop signal after saving checkpoints/last.ckpt; resume with ckpt_path=last",
-                PREEMPTED_EXIT_CODE,
-            )
+            return WorkerFailed(stopped_after_saving("a stop signal"), PREEMPTED_EXIT_CODE)
         return WorkerFailed(None, process.exitcode)  # it said why
 
     def stopped(self, signal_name: str, grace_s: float) -> WorkerFailed:
         """What a stop signal to the launcher ended with: "after saving" only where rank 0 said last.ckpt is in place
         (callbacks/stop_agreement.py); the agent gave the workers `grace_s` to save and end."""
         if (step := saved_step(self.store, self.prefix)) is not None:
-            saved = f"at step {step} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-            return WorkerFailed(f"stopped by {signal_name} {saved}", PREEMPTED_EXIT_CODE)
+            return WorkerFailed(stopped_after_saving(signal_name, step), PREEMPTED_EXIT_CODE)
         unsaved = (
             "checkpoints/last.ckpt was not saved: the workers did not reach the end of a step and save within"
             f" stop_grace_s={grace_s:g} (raise it above a step and a save); ckpt_path=last resumes from the newest"

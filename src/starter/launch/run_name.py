@@ -8,7 +8,7 @@ from datetime import datetime
 from functools import cache
 
 from starter.launch.environment import slurm_tasks, torchrun_id
-from starter.topology import nodes_given
+from starter.topology import node_rank, nodes_given
 
 KEY = "starter/run_name"
 
@@ -33,7 +33,7 @@ def run_name(num_nodes: int = 1) -> str:
     if nodes_given(num_nodes) > 1 and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
         from starter.launch.nodes import join_nodes
 
-        node_zero = int(os.environ["NODE_RANK"]) == 0
+        node_zero = node_rank() == 0
         store = join_nodes(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), serve=node_zero)
         return _share(store, KEY, stamp, first=node_zero)
     return stamp  # anything missing for several nodes is reported in one line by preflight.prepare
