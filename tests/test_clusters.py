@@ -189,7 +189,7 @@ def gpus(monkeypatch):
     """Make the decisions taken before launch see `n` CUDA GPUs."""
 
     def machine_with(n: int):
-        monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: n)
+        monkeypatch.setattr("starter.topology.cuda_device_count", lambda: n)
 
     return machine_with
 

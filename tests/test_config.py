@@ -112,7 +112,7 @@ def test_each_trait_a_strategy_declares_drives_its_check(overrides, message, tmp
 
 
 def test_a_strategy_that_cannot_scale_fp16_is_refused_with_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.topology.cuda_device_count", lambda: 2)
     cfg = compose_config(["strategy=ddp", "devices=2", "accelerator=gpu", "precision=16-mixed",
                           "+strategy.traits.scales_fp16=no scaler"], tmp_path)  # fmt: skip
     with pytest.raises(UserError, match="strategy=ddp cannot scale fp16 losses \\(16-mixed\\): no scaler"):
@@ -328,10 +328,10 @@ def test_ckpt_path_last_picks_the_newest_earlier_run(tmp_path):
 
 
 def test_gpu_only_choices_are_decided_up_front(tmp_path, monkeypatch):
-    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("starter.topology.cuda_device_count", lambda: 0)
     with pytest.raises(UserError, match="accelerator=gpu: this machine has no CUDA GPU; use accelerator=cpu"):
         prepare(compose_config(["accelerator=gpu"], tmp_path))
-    monkeypatch.setattr("starter.launch.environment.cuda_device_count", lambda: 2)
+    monkeypatch.setattr("starter.topology.cuda_device_count", lambda: 2)
     with pytest.raises(UserError, match="devices=4: this machine has 2 CUDA GPU"):
         prepare(compose_config(["accelerator=gpu", "strategy=ddp", "devices=4"], tmp_path))
     cfg = compose_config(["accelerator=gpu", "strategy=dp", "devices=2", "precision=16-mixed"], tmp_path)

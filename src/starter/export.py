@@ -10,10 +10,10 @@ from torch import nn
 
 from starter.config_schema import check_schema
 from starter.errors import UserError, first_line
+from starter.launch.environment import launch_plan
 from starter.loggers.report import shown
 from starter.predict import settle_weights
-from starter.preflight import settle
-from starter.topology import Plan
+from starter.topology import Plan, lay_out
 
 FORMATS = {"onnx": "model.onnx", "torch_export": "model.pt2"}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
@@ -26,7 +26,7 @@ def prepare(cfg: DictConfig) -> Plan:
         raise UserError(f"format={cfg.format}: choose one of {', '.join(FORMATS)}")
     if cfg.format == "onnx" and (missing := [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]):
         raise UserError(f"format=onnx needs {', '.join(missing)}: pip install -e '.[export]' (or format=torch_export)")
-    plan = settle(cfg, 1)
+    plan = launch_plan(lay_out(cfg, 1))
     if plan.layout.world != 1:
         raise UserError("export runs one process: leave devices and num_nodes at 1")
     settle_weights(cfg)

@@ -67,32 +67,32 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
     except (KeyboardInterrupt, Exception) as err:
         if not isinstance(err, (KeyboardInterrupt, UserError)) and not interrupted():
             raise  # a bug: its traceback
-        _end(cfg, err, started=plan is not None)
+        # A user error (one line, exit 2) or Ctrl-C in this node's terminal, or what Ctrl-C broke on its way out
+        # (errors.catch_ctrl_c; KeyboardInterrupt, which errors.end_without_teardown says). On several nodes the
+        # other nodes are told first: they stop too, and say it.
+        user_error = isinstance(err, UserError)
+        if nodes_given(cfg.num_nodes) > 1:
+            from starter.launch.nodes import tell_the_other_nodes
+            from starter.launch.watchdog import linger_s
+
+            code, line = _ending(err)
+            linger = linger_s(cfg.heartbeat_timeout_s)
+            tell_the_other_nodes(nodes_run_id(), code, line, float(cfg.nodes_wait_s), linger, say=user_error)
+        elif user_error:
+            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+            if plan is None and process_rank() == 0:
+                _remove_unstarted_run_dir()
+        if user_error:
+            raise SystemExit(USER_ERROR_EXIT_CODE) from None
+        raise KeyboardInterrupt from None
     return metrics.get(cfg.get("optimized_metric"))
 
 
-def _end(cfg: DictConfig, err: BaseException, started: bool) -> None:
-    """How the job ends on a user error (one line, exit 2) or Ctrl-C in this node's terminal, or what Ctrl-C broke on
-    its way out (errors.catch_ctrl_c; KeyboardInterrupt, which errors.end_without_teardown says). On several nodes
-    the other nodes are told first (`tell_the_other_nodes`): they stop too, and say it."""
-    user_error = isinstance(err, UserError)
-    if user_error:
-        code, line = USER_ERROR_EXIT_CODE, f"node {node_rank()}: {one_line(err)}"
-    else:
-        code, line = INTERRUPTED_EXIT_CODE, f"node {node_rank()} was interrupted (Ctrl-C)"
-    if nodes_given(cfg.num_nodes) > 1:
-        from starter.launch.nodes import tell_the_other_nodes
-        from starter.launch.watchdog import linger_s
-
-        run = run_id(cfg)
-        tell_the_other_nodes(run, code, line, float(cfg.nodes_wait_s), linger_s(cfg.heartbeat_timeout_s), user_error)
-    elif user_error:
-        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
-        if not started and process_rank() == 0:
-            _remove_unstarted_run_dir()
-    if user_error:
-        raise SystemExit(USER_ERROR_EXIT_CODE) from None
-    raise KeyboardInterrupt from None
+def _ending(err: BaseException) -> tuple[int, str]:
+    """The exit code of a job that ends on `err` (a user error or Ctrl-C), and the line the other nodes say."""
+    if isinstance(err, UserError):
+        return USER_ERROR_EXIT_CODE, f"node {node_rank()}: {one_line(err)}"
+    return INTERRUPTED_EXIT_CODE, f"node {node_rank()} was interrupted (Ctrl-C)"
 
 
 def _remove_unstarted_run_dir() -> None:
@@ -152,7 +152,8 @@ def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
     from starter.launch.agent import start_workers
     from starter.launch.watchdog import linger_s
 
-    run = run_id(cfg)
+    # the agent's run id: on one node, its run directory's name
+    run = nodes_run_id() if plan.layout.nodes > 1 else Path(cfg.paths.output_dir).name
     try:
         start_workers(
             job,
@@ -175,13 +176,10 @@ def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
     return json.loads(metrics.read_text()) if node_rank() == 0 and metrics.is_file() else {}
 
 
-def run_id(cfg: DictConfig) -> str:
-    """The agent's run id, the same in every node's job: what each node is given alike (the scheduler's job id, the
-    job's number in a sweep), never a name a node makes (its run directory may be its own, `hydra.run.dir=`). The
-    store at MASTER_ADDR:MASTER_PORT is the run's own, so nothing else need tell it apart. One node: its run
-    directory's name."""
-    if int(cfg.num_nodes) == 1:
-        return Path(cfg.paths.output_dir).name
+def nodes_run_id() -> str:
+    """The agent's run id on several nodes, the same in every node's job: what each node is given alike (the
+    scheduler's job id, the job's number in a sweep), never a name a node makes (its run directory may be its own,
+    `hydra.run.dir=`). The store at MASTER_ADDR:MASTER_PORT is the run's own, so nothing else need tell it apart."""
     job = OmegaConf.select(HydraConfig.get(), "job.num", default=0) if HydraConfig.initialized() else 0
     return f"{os.environ.get('SLURM_JOB_ID', 'nodes')}-{job}"
 

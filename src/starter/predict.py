@@ -15,9 +15,9 @@ from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import checkpoint_named
 from starter.config_schema import check_schema
 from starter.errors import UserError
+from starter.launch.environment import launch_plan
 from starter.loggers.report import shown
-from starter.preflight import settle
-from starter.topology import Layout, Plan
+from starter.topology import Layout, Plan, lay_out
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # rows printed, and the top classes each row lists
@@ -25,7 +25,7 @@ SHOWN = 5  # rows printed, and the top classes each row lists
 
 def prepare(cfg: DictConfig) -> Plan:
     check_schema(cfg)
-    plan = settle(cfg, cfg.batch_size)  # a global batch, shared equally
+    plan = launch_plan(lay_out(cfg, cfg.batch_size))  # a global batch, shared equally
     if not plan.traits.whole_weights:
         raise UserError(
             f"strategy={cfg.strategy.name}: predict runs one process, or one per device with strategy=ddp;"

@@ -12,7 +12,7 @@ from starter.checkpointing.resume import check_sharded, resolve_ckpt_path, saved
 from starter.config_schema import check_schema
 from starter.data.settle import settle_data
 from starter.errors import UserError
-from starter.launch.environment import launch_plan, settle_devices
+from starter.launch.environment import launch_plan
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
 from starter.topology import Plan, lay_out
@@ -24,7 +24,7 @@ def prepare(cfg: DictConfig) -> Plan:
     """Validate a training run's `cfg`, settle it in place, and return its plan."""
     check_schema(cfg)  # given, once, of the types and ranges conf/ takes (config_schema.py)
     global_batch = settle_data(cfg)
-    plan = settle(cfg, global_batch)
+    plan = launch_plan(lay_out(cfg, global_batch))
     modules = {"tensorboard": ("tensorboard", "tensorboardX")}  # Lightning's TensorBoardLogger takes either
     for name in cfg.get("logger") or {}:
         if name in LOGGER_PACKAGES and not any(importlib.util.find_spec(m) for m in modules.get(name, (name,))):
@@ -49,12 +49,3 @@ def prepare(cfg: DictConfig) -> Plan:
     if pipelined(cfg.strategy, plan.layout):
         check_pipeline(cfg, plan)
     return plan
-
-
-def settle(cfg: DictConfig, global_batch: int | None) -> Plan:
-    """What every run settles once its values are checked (training, predict, export): accelerator and devices, the
-    layout of its processes and each one's share of `global_batch` (None: a batch that is each process's own), who
-    starts them."""
-    settle_devices(cfg)
-    plan = lay_out(cfg, global_batch)
-    return launch_plan(plan)

@@ -1,4 +1,5 @@
-"""Decided once, before anything heavy is imported: what a run's strategy can do, and how its processes are laid out.
+"""Decided once, before anything heavy is imported: the devices a run has, what its strategy can do, and how its
+processes are laid out.
 
 `Traits`: declared in the strategy's config (`traits:` in conf/strategy/<name>.yaml), so no other file names a strategy;
 a capability is True, or False or a string saying why not. `Layout` (torchtitan's ParallelDims): nodes, processes per
@@ -9,6 +10,7 @@ global batch is shared over it only.
 import logging
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
@@ -18,6 +20,7 @@ log = logging.getLogger(__name__)
 
 Support = bool | str
 STORE_KEY = "starter/watchdog"
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Layout:
 
     @classmethod
     def of(cls, cfg: DictConfig) -> "Layout":
-        """The layout of `cfg` (devices and num_nodes settled: launch/environment.settle_devices)."""
+        """The layout of `cfg` (devices and num_nodes settled: settle_devices)."""
         traits = Traits.of(cfg.strategy)
         per_node = device_count(cfg.devices) if traits.multi_process else 1
         layout = cls(int(cfg.num_nodes), per_node)
@@ -103,14 +106,78 @@ class Plan:
 
 
 def lay_out(cfg: DictConfig, global_batch: int | None) -> Plan:
-    """The strategy's traits and the layout of its processes (devices and num_nodes settled), and the run checked
-    against both: its processes, each one's share of `global_batch`, what it asks of the strategy."""
+    """What every run settles once its values are checked (training, predict, export): its accelerator and devices (in
+    place), its strategy's traits and the layout of its processes, and the run checked against both: its processes,
+    each one's share of `global_batch` (None: a batch that is each process's own), what it asks of the strategy."""
+    settle_devices(cfg)
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
     shares = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else None
     _check_capabilities(cfg, traits, layout)
     return Plan(traits, layout, shares)
+
+
+def settle_devices(cfg: DictConfig) -> None:
+    """Settle `accelerator` (cpu or gpu; auto: gpu where there is one), `devices=auto|-1|[i, ...]` and `num_nodes`
+    once (under torchrun, its sizes), so workers get plain values and a device that does not exist is one line here."""
+    if cfg.accelerator not in ACCELERATORS:
+        raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
+    adopt_torchrun_sizes(cfg)
+    gpus = cuda_device_count() if cfg.accelerator != "cpu" else 0
+    if cfg.accelerator != "auto" and cfg.accelerator != "cpu" and gpus == 0:
+        raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
+    cfg.accelerator = "gpu" if gpus else "cpu"
+    on_gpu, devices = device_type(cfg) == "cuda", cfg.devices
+    if devices in ("auto", -1, "-1"):
+        cfg.devices = gpus if on_gpu else 1
+        log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
+    elif isinstance(devices, (list, tuple, ListConfig)):
+        if not on_gpu:
+            raise UserError(
+                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
+            )
+        if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
+            raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
+    elif on_gpu and device_count(devices) > gpus:
+        raise UserError(
+            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
+            f" (or accelerator=cpu for {devices} CPU processes)"
+        )
+    if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
+        raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
+
+
+def adopt_torchrun_sizes(cfg: DictConfig) -> None:
+    """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
+    if torchrun_id() is None:
+        return
+    local, total = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    nodes = total // local
+    if (device_count(cfg.devices), int(cfg.num_nodes)) == (local, nodes):
+        return
+    if (device_count(cfg.devices), int(cfg.num_nodes)) != (1, 1):
+        raise UserError(
+            f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local}"
+            f" process(es) per node on {nodes} node(s); use devices={local} num_nodes={nodes}, or"
+            " leave both out"
+        )
+    log.info("torchrun: devices=%d num_nodes=%d (from LOCAL_WORLD_SIZE and WORLD_SIZE)", local, nodes)
+    cfg.devices, cfg.num_nodes = local, nodes
+
+
+def cuda_device_count() -> int:
+    """GPUs that torch sees; 0 without importing torch (about 2 s) on a machine with no GPU driver at all."""
+    if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):  # NVIDIA, AMD (ROCm)
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def torchrun_id() -> str | None:
+    """The run id torchrun gives the processes it started; None where torchrun did not start this one."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 def _check_processes(cfg: DictConfig, traits: Traits) -> None:

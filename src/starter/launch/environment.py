@@ -1,33 +1,11 @@
-"""What the environment says before anything starts: the GPUs this machine has, whether torchrun or SLURM started the
-ranks, the rendezvous variables several nodes need."""
+"""What the environment says before anything starts: whether torchrun or a scheduler (SLURM, Kubeflow, LSF) started
+the ranks, and the rendezvous variables several nodes need."""
 
-import logging
 import os
 from dataclasses import replace
-from pathlib import Path
-
-from omegaconf import DictConfig, ListConfig
 
 from starter.errors import UserError
-from starter.topology import Plan, device_count, device_type
-
-log = logging.getLogger(__name__)
-
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-
-
-def cuda_device_count() -> int:
-    """GPUs that torch sees; 0 without importing torch (about 2 s) on a machine with no GPU driver at all."""
-    if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):  # NVIDIA, AMD (ROCm)
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def torchrun_id() -> str | None:
-    """The run id torchrun gives the processes it started; None where torchrun did not start this one."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
+from starter.topology import Plan, torchrun_id
 
 
 def launched_by(world: int, multi_process: bool) -> str | None:
@@ -95,54 +73,6 @@ def started_externally() -> bool:
 def slurm_tasks() -> int:
     """SLURM_NTASKS of an `srun` step; 0 outside SLURM and in an interactive shell (Lightning's own rule)."""
     return 0 if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive") else int(os.environ.get("SLURM_NTASKS", 0))
-
-
-def settle_devices(cfg: DictConfig) -> None:
-    """Settle `accelerator` (cpu or gpu; auto: gpu where there is one), `devices=auto|-1|[i, ...]` and `num_nodes`
-    once (under torchrun, its sizes), so workers get plain values and a device that does not exist is one line here."""
-    if cfg.accelerator not in ACCELERATORS:
-        raise UserError(f"accelerator={cfg.accelerator}: choose one of {', '.join(ACCELERATORS)}")
-    adopt_torchrun_sizes(cfg)
-    gpus = cuda_device_count() if cfg.accelerator != "cpu" else 0
-    if cfg.accelerator != "auto" and cfg.accelerator != "cpu" and gpus == 0:
-        raise UserError(f"accelerator={cfg.accelerator}: this machine has no CUDA GPU; use accelerator=cpu")
-    cfg.accelerator = "gpu" if gpus else "cpu"
-    on_gpu, devices = device_type(cfg) == "cuda", cfg.devices
-    if devices in ("auto", -1, "-1"):
-        cfg.devices = gpus if on_gpu else 1
-        log.info("devices=%s: %d (%s)", devices, cfg.devices, "every visible GPU" if on_gpu else "one CPU process")
-    elif isinstance(devices, (list, tuple, ListConfig)):
-        if not on_gpu:
-            raise UserError(
-                f"devices={list(devices)} picks GPUs by index; on CPU give a count, e.g. devices={len(devices)}"
-            )
-        if len(set(devices)) != len(devices) or not all(isinstance(i, int) and 0 <= i < gpus for i in devices):
-            raise UserError(f"devices={list(devices)}: this machine has GPUs 0 to {gpus - 1}; name each at most once")
-    elif on_gpu and device_count(devices) > gpus:
-        raise UserError(
-            f"devices={devices}: this machine has {gpus} CUDA GPU(s); use devices={gpus}"
-            f" (or accelerator=cpu for {devices} CPU processes)"
-        )
-    if device_count(cfg.devices) < 1 or int(cfg.num_nodes) < 1:
-        raise UserError(f"devices={cfg.devices}, num_nodes={cfg.num_nodes}: both must be at least 1")
-
-
-def adopt_torchrun_sizes(cfg: DictConfig) -> None:
-    """Under torchrun the process counts are torchrun's: take them when the config left the defaults (1 x 1)."""
-    if torchrun_id() is None:
-        return
-    local, total = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    nodes = total // local
-    if (device_count(cfg.devices), int(cfg.num_nodes)) == (local, nodes):
-        return
-    if (device_count(cfg.devices), int(cfg.num_nodes)) != (1, 1):
-        raise UserError(
-            f"devices={cfg.devices} num_nodes={cfg.num_nodes}, but torchrun started {local}"
-            f" process(es) per node on {nodes} node(s); use devices={local} num_nodes={nodes}, or"
-            " leave both out"
-        )
-    log.info("torchrun: devices=%d num_nodes=%d (from LOCAL_WORLD_SIZE and WORLD_SIZE)", local, nodes)
-    cfg.devices, cfg.num_nodes = local, nodes
 
 
 def launch_plan(plan: Plan) -> Plan:

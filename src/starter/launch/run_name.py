@@ -7,8 +7,8 @@ import os
 from datetime import datetime
 from functools import cache
 
-from starter.launch.environment import slurm_tasks, torchrun_id
-from starter.topology import node_rank, nodes_given
+from starter.launch.environment import slurm_tasks
+from starter.topology import node_rank, nodes_given, torchrun_id
 
 KEY = "starter/run_name"
 

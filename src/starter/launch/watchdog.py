@@ -115,7 +115,7 @@ class Watchdog:
         srun) nothing else would kill a stopped rank, so the watchdog that names it does."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
-        self.stall = Stall(float(stall_timeout_s), partial(where, ranks_per_node=ranks_per_node)) if rank == 0 else None
+        self.stall_timeout_s = float(stall_timeout_s)
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
@@ -198,6 +198,7 @@ class Watchdog:
         prefix = key_prefix()
         watched = range(self.world) if self.rank == 0 else [0]
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
+        stall = Stall(self.stall_timeout_s, partial(where, ranks_per_node=self.ranks_per_node))  # judged by rank 0
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
         relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
         while not self.stopping.wait(wait):
@@ -216,7 +217,7 @@ class Watchdog:
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()
-                if self.stall and (line := self.stall.check(read_progress(store, prefix, self.world), now)):
+                if self.rank == 0 and (line := stall.check(read_progress(store, prefix, self.world), now)):
                     report(store, LOST_EXIT_CODE, line)
                     self._leave(failure(store)[0])
                 for rank in watched:
