@@ -261,7 +261,7 @@ def key_prefix(run_id: str | None = None) -> str:
     """The run's keys in its store (the one every process of a several-process run reaches at MASTER_ADDR:MASTER_PORT),
     namespaced per run id and attempt of torch's agent (this process's, or `run_id`'s first): the agent's store
     outlives a restart, and the old keys must not stop it."""
-    if (run_id := run_id or os.environ.get("TORCHELASTIC_RUN_ID")) is not None:
+    if (run_id := run_id or torchrun_id()) is not None:
         return f"{STORE_KEY}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return STORE_KEY
 
