@@ -181,6 +181,61 @@ def test_a_journal_that_is_not_optunas_is_refused_in_one_line_before_a_trial_run
     ]
 
 
+def hostile_journal(sweep, trial) -> None:
+    """A journal as Optuna itself writes it, for the default sweep's study, holding `trial` (study -> None)."""
+    import optuna
+
+    from hydra_plugins.optuna_journal_sweeper.sweeper import open_storage
+
+    sweep.mkdir()
+    study = optuna.create_study(study_name="sweep", storage=open_storage(f"journal:{sweep / 'optuna.journal'}"),
+                                direction="maximize")  # fmt: skip
+    trial(study)
+
+
+def test_a_journal_trial_that_sets_keys_the_sweep_does_not_search_is_refused_before_any_job(tmp_path):
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    # a waiting trial that Optuna's ask() hands back as it is: its params would be the job's overrides
+    marker = tmp_path / "called"
+    code = {"+callbacks.x._target_": "builtins.open", "+callbacks.x.file": str(marker), "+callbacks.x.mode": "w"}
+    waiting = create_trial(state=TrialState.WAITING, params=code,
+                           distributions={k: CategoricalDistribution([v]) for k, v in code.items()})  # fmt: skip
+    sweep = tmp_path / "sweep"
+    hostile_journal(sweep, lambda study: study.add_trial(waiting))
+    proc = train(tmp_path, *OPTUNA_ONE_PROCESS, f"hydra.sweep.dir={sweep}", expect_ok=False)
+    assert proc.returncode == 2 and not marker.exists()
+    assert sorted(p.name for p in sweep.iterdir()) == ["optuna.journal"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {sweep / 'optuna.journal'}: trial 0 sets +callbacks.x._target_, which this sweep does not search;"
+        " continue a sweep with the space it searched, or give another hydra.sweep.dir"
+    ]
+
+
+def test_a_journal_trial_outside_the_searched_space_is_refused_before_any_job(tmp_path):
+    sweep = tmp_path / "sweep"  # Optuna would hand the job lr=5.0 with a warning
+    hostile_journal(sweep, lambda study: study.enqueue_trial({"model.optimizer.lr": 5.0}))
+    proc = train(tmp_path, *OPTUNA_ONE_PROCESS, f"hydra.sweep.dir={sweep}", expect_ok=False)
+    assert proc.returncode == 2 and sorted(p.name for p in sweep.iterdir()) == ["optuna.journal"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {sweep / 'optuna.journal'}: trial 0 sets model.optimizer.lr=5.0, outside the space searched"
+        " (FloatDistribution(high=0.01, log=True, low=0.0003, step=None)); continue a sweep with the space it"
+        " searched, or give another hydra.sweep.dir"
+    ]
+
+
+@pytest.mark.parametrize("value", ["true", "null", "64", "it's", "a\\b", "end\\", 3, 0.001, 1e-05, True, None])
+def test_a_point_of_the_space_reaches_the_job_as_the_value_searched(value):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.optuna_journal_sweeper.sweeper import hydra_value
+
+    # choice('true', 'null') gives the strings: a job must not get a bool and None
+    parsed = OverridesParser.create().parse_override(f"key={hydra_value(value)}").value()
+    assert parsed == value and type(parsed) is type(value)
+
+
 def test_the_sweep_space_is_searched_as_hydra_defines_it_and_every_other_override_reaches_the_trials():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -198,6 +253,7 @@ def test_the_sweep_space_is_searched_as_hydra_defines_it_and_every_other_overrid
         "trainer.max_epochs": IntDistribution(1, 10),
         "seed": IntDistribution(2, 10, step=2),
     }
+    assert search_space({}, ["x=tag(int, log, interval(16, 1024))"])[0] == {"x": IntDistribution(16, 1024, log=True)}
     assert not isinstance(searched.get("model.net.width"), CategoricalDistribution)  # the command line's 64 wins
     assert fixed == ["model.net.width=64", "~callbacks.early_stopping", "+trainer.deterministic=true"]
 
@@ -208,6 +264,17 @@ def test_the_sweep_space_is_searched_as_hydra_defines_it_and_every_other_overrid
         ("tag(float, interval(1, 2))", "x: tag float means nothing to the sweeper; tags are log and int"),
         ("tag(int, interval(1.5, 4))", "x: tag(int, interval(1.5, 4)) needs whole-number ends"),
         ("tag(log, choice(1, 2))", "x: choice() takes no tag (log); tag an interval() or range()"),
+        (
+            "tag(log, range(16, 513, 16))",
+            "x=tag(log, range(16, 513, 16)): a log scale takes no step; search tag(int, log, interval(16, 512))"
+            " or choice()",
+        ),
+        ("range(5, 1)", "x=range(5, 1): the range holds no point"),
+        (
+            "tag(log, range(0.5, 2.0, 0.5))",
+            "x=tag(log, range(0.5, 2.0, 0.5)): a log scale takes no step; search tag(log, interval(0.5, 1.5))"
+            " or choice()",
+        ),
     ],
 )
 def test_a_sweep_space_the_sweeper_cannot_search_is_one_line(spec, said, capsys):

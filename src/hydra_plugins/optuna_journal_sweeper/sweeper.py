@@ -6,6 +6,8 @@ behind is pruned by the job itself (callbacks/optuna_pruning.py), told here as p
 <sweep dir>/optimization_results.yaml."""
 
 import json
+import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +78,16 @@ class OptunaJournalSweeper(Sweeper):
         if study.trials:  # a seeded sampler would draw its first points again: the study goes on from new ones
             study.sampler.reseed_rng()
         searched, fixed = search_space(self.params, arguments)
+        for trial in study.trials:  # a journal is anyone's: its trials hold points of this space, and nothing else
+            check_trial(trial.number, planned(trial), searched, storage)
         done = [t for t in study.trials if t.state.name in FINISHED]  # those of an earlier sweep of this journal too
         while len(done) < self.n_trials:
             batch = [study.ask(searched) for _ in range(min(self.n_jobs, self.n_trials - len(done)))]
-            overrides = [[*fixed, *(f"{k}={v}" for k, v in t.params.items()), *self.told(t, storage)] for t in batch]
+            for trial in batch:
+                check_trial(trial.number, trial.params, searched, storage)
+            overrides = [
+                [*fixed, *(f"{k}={hydra_value(v)}" for k, v in t.params.items()), *self.told(t, storage)] for t in batch
+            ]
             results = self.launcher.launch([tuple(o) for o in overrides], initial_job_idx=batch[0].number)
             for trial, result in zip(batch, results):
                 frozen = study.trials[trial.number]
@@ -135,6 +143,49 @@ def check_journal(path: Path) -> None:
                 refuse(f"{path}: line {number} is no Optuna journal operation; {instead}")
 
 
+def planned(trial) -> dict:
+    """The params a trial holds or, waiting, will be given: Optuna hands an enqueued trial's `fixed_params` to the
+    job even where they lie outside the space (with a warning)."""
+    return {**trial.system_attrs.get("fixed_params", {}), **trial.params}
+
+
+def check_trial(number: int, params: dict, searched: dict, storage: str) -> None:
+    """A trial's params become the job's overrides: each must be a searched key, its value a point of that key's
+    distribution (of the choice list, inside the interval). Anything else is refused in one line before any job."""
+    storage = storage.removeprefix("journal:")
+    for key, value in params.items():
+        space = searched.get(key)
+        if space is None:
+            refuse(f"{storage}: trial {number} sets {key}, which this sweep does not search; {CONTINUE}")
+        if not contains(space, value):
+            refuse(f"{storage}: trial {number} sets {key}={value!r}, outside the space searched ({space}); {CONTINUE}")
+
+
+def contains(space, value) -> bool:
+    """Whether `value` is a point of the distribution `space`: one of its choices (of the same type: True is no 1), or
+    a number of its kind within its bounds, on its step."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(space, CategoricalDistribution):
+        return any(type(choice) is type(value) and choice == value for choice in space.choices)
+    kinds = (int,) if isinstance(space, IntDistribution) else (int, float)
+    if type(value) not in kinds or not space.low <= value <= space.high:
+        return False
+    return not space.step or math.isclose(round(steps := (value - space.low) / space.step), steps, abs_tol=1e-8)
+
+
+CONTINUE = "continue a sweep with the space it searched, or give another hydra.sweep.dir"
+
+
+def hydra_value(value) -> str:
+    """A point of the space as an override's value that Hydra parses back to it: a string stays the string given
+    (quoted: `choice('true', 'null')` reaches the job as those words, not a bool and None)."""
+    if isinstance(value, str):
+        # Hydra reads a backslash as one unless it stands before a quote or the end: those are doubled
+        return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\" * bool(m[2]) + m[2], value) + "'"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def search_space(params: dict, arguments: list[str]) -> tuple[dict, list[str]]:
     """(Optuna distributions of the swept keys, the overrides passed to every trial as they are) from the sweeper's
     `params` and the command line's overrides, in Hydra's sweep syntax: `choice(...)`, `range(start, stop[, step])`
@@ -169,18 +220,23 @@ def distribution(override):
     if isinstance(value, RangeSweep):
         points = list(override.sweep_iterator())
         if not points:
-            refuse(f"{key}={override.get_value_element_as_str()}: the range holds no point")
+            refuse(f"{override.input_line}: the range holds no point")
         ints = all(isinstance(v, int) for v in (value.start, value.stop, value.step))
         low, high, step = min(points), max(points), abs(value.step)
         kind = IntDistribution if ints or "int" in tags else FloatDistribution
-        return kind(low, high, step=step) if "log" not in tags else kind(low, high, log=True)
+        if "log" not in tags:
+            return kind(low, high, step=step)
+        if kind is FloatDistribution or step != 1:  # Optuna's log distributions have no step: the points would be lost
+            instead = f"tag({'int, ' if kind is IntDistribution else ''}log, interval({low}, {high})) or choice()"
+            refuse(f"{override.input_line}: a log scale takes no step; search {instead}")
+        return kind(low, high, log=True)
     if isinstance(value, IntervalSweep):
         if "int" not in tags:
             return FloatDistribution(value.start, value.end, log="log" in tags)
         if not all(float(v).is_integer() for v in (value.start, value.end)):
             refuse(f"{key}: tag(int, interval({value.start:g}, {value.end:g})) needs whole-number ends")
         return IntDistribution(int(value.start), int(value.end), log="log" in tags)
-    refuse(f"{key}={override.get_value_element_as_str()}: the sweeper searches choice(), range() and interval()")
+    refuse(f"{override.input_line}: the sweeper searches choice(), range() and interval()")
 
 
 def refuse(line: str):
