@@ -289,10 +289,9 @@ def test_resnet18_starts_from_torchvision_weights_fetched_by_torchvision_with_a_
     out = subprocess.run([sys.executable, "-c", "import json, sys; sys.modules['starter'] = None\n" + code],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     from starter.checkpointing.inference import load_for_inference
-    from starter.checkpointing.record import model_builders
     from starter.data.image_files import evaluation_transform
 
-    model, record = load_for_inference(run_dirs(tmp_path)[0] / "checkpoints" / "model.pt", model_builders([CONF]))
+    model, record = load_for_inference(run_dirs(tmp_path)[0] / "checkpoints" / "model.pt", [CONF])
     pixels = evaluation_transform(record["resize"], record["crop"])(load_image(str(image)))[None]
     mean, std = (torch.tensor(record[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     with torch.no_grad():

@@ -95,9 +95,8 @@ def assert_loads_whole_for_inference(run_dir) -> None:
     """The run's sharded last.ckpt (the final weights) loads, in one process, into the plain model that predict.py
     and export.py use: the same weights as its model.pt."""
     from starter.checkpointing.inference import load_for_inference
-    from starter.checkpointing.record import model_builders
 
-    model, record = load_for_inference(run_dir / "checkpoints" / "last.ckpt", model_builders([CONF]))
+    model, record = load_for_inference(run_dir / "checkpoints" / "last.ckpt", [CONF])
     assert max_difference(model.state_dict(), model_weights(run_dir)) == 0.0 and record["classes"][9] == "9"
 
 

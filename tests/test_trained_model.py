@@ -82,14 +82,13 @@ def weights_file(tmp_path, model: str, *overrides: str):
 def export(tmp_path, path, fmt: str, config_dirs=(CONF,)):
     from omegaconf import OmegaConf
 
-    from starter.checkpointing.record import model_builders
     from starter.export import export
 
     out = tmp_path / fmt
     out.mkdir()
-    builders = sorted(model_builders(config_dirs))  # what export.py's prepare() reads off each config folder's model/
+    dirs = [str(d) for d in config_dirs]  # what export.py's prepare() records: the folders whose model/ configs count
     cfg = OmegaConf.create({"ckpt_path": str(path), "format": fmt, "tolerance": 1e-4, "seed": 0, "accelerator": "cpu",
-                            "paths": {"output_dir": str(out)}, "model_builders": builders})  # fmt: skip
+                            "paths": {"output_dir": str(out)}, "model_config_dirs": dirs})  # fmt: skip
     export(cfg)
     return next(out.glob("model.*"))
 
@@ -116,9 +115,8 @@ def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logi
         session = onnxruntime.InferenceSession(str(alone), providers=["CPUExecutionProvider"])
         got = torch.from_numpy(session.run(None, {"images": pixels.numpy()})[0])
     from starter.checkpointing.inference import load_for_inference
-    from starter.checkpointing.record import model_builders
 
-    model_, record = load_for_inference(path, model_builders([CONF]))
+    model_, record = load_for_inference(path, [CONF])
     mean, std = (torch.tensor(record[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     with torch.no_grad():
         expected = model_((pixels.float() / 255 - mean) / std)
@@ -215,6 +213,71 @@ def test_nothing_a_checkpoint_names_is_called_by_predict_export_or_init_from(def
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
         assert proc.returncode == 2 and line.startswith(f"error: {key}={path}: its inference record {refused}")
     assert not written.exists()
+
+
+@pytest.fixture
+def web_server():
+    """A local HTTP server that answers nothing and keeps the path of every request it gets."""
+    import http.server
+    import threading
+
+    asked = []
+
+    class Recording(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", asked
+    server.shutdown()
+
+
+def test_a_record_whose_arguments_fetch_or_read_rebuilds_the_model_without_them(web_server, tmp_path, capsys):
+    pytest.importorskip("timm", reason="the timm extra: pip install -e '.[timm]'")
+    from starter import load_module
+
+    url, asked = web_server
+    path = weights_file(tmp_path, "timm")
+    saved = torch.load(path, weights_only=True)
+    net = saved["inference"]["model"]["net"]  # the author's folder and URL; any file of this machine to read
+    net |= {"pretrained": True, "pretrained_cfg_overlay": {"url": f"{url}/weights.pth", "hf_hub_id": ""},
+            "cache_dir": str(tmp_path / "author"), "checkpoint_path": "/etc/passwd"}  # fmt: skip
+    torch.save(saved, path)
+    exported = export(tmp_path, path, "torch_export")  # built from the local config, then the checkpoint's weights
+    pixels = torch.randint(0, 256, (2, 1, 8, 8), dtype=torch.uint8)
+    module = load_module(path)
+    assert torch.allclose(torch.export.load(exported).module()(pixels), module.net(pixels.float() / 255 - 0.4) / 0.25,
+                          atol=1e-4)  # fmt: skip
+    assert asked == [] and not (tmp_path / "author").exists()
+
+
+@pytest.mark.parametrize(
+    "where,value,said",
+    [
+        ("model_name", "hf-hub:author/model", "sets model.net.model_name='hf-hub:author/model', which is no plain"),
+        ("model_name", 5, "sets model.net.model_name=5, which is no plain value of the type declared there"),
+        ("num_classes", {"_target_": "builtins.int"}, "names 'builtins.int', which no model config here names"),
+        ("drop_path_rate", 0.1, "sets model.net.drop_path_rate, which no model config here declares"),
+        ("_args_", [1], "sets model.net._args_, which no model config here declares"),
+        ("_recursive_", False, "sets model.net._recursive_, which no model config here declares"),
+    ],
+)
+def test_a_record_supplies_only_plain_values_for_what_the_model_configs_here_declare(where, value, said, tmp_path):
+    from starter import load_module
+    from starter.errors import UserError
+
+    path = weights_file(tmp_path, "timm")
+    saved = torch.load(path, weights_only=True)
+    saved["inference"]["model"]["net"][where] = value
+    torch.save(saved, path)
+    with pytest.raises(UserError) as refused:
+        load_module(path)
+    assert f"ckpt_path={path}: its inference record {said}" in str(refused.value)
 
 
 # full examples: begin

@@ -56,7 +56,7 @@ def export(cfg: DictConfig) -> dict:
     from starter.run import start_process
 
     start_process(cfg)
-    model, record = load_for_inference(Path(cfg.ckpt_path), set(cfg.model_builders))
+    model, record = load_for_inference(Path(cfg.ckpt_path), list(cfg.model_config_dirs))
     net = getattr(model, "net", model)
     pixels = Pixels(net, record).eval()
     out = Path(cfg.paths.output_dir) / FORMATS[cfg.format]

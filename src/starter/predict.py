@@ -11,13 +11,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import checkpoint_named
 from starter.config_schema import check_schema
 from starter.errors import UserError
 from starter.launch.environment import launch_plan
 from starter.loggers.report import shown
 from starter.topology import Layout, Plan, lay_out
+from starter.untrusted import model_config_dirs
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # rows printed, and the top classes each row lists
@@ -40,8 +40,8 @@ def prepare(cfg: DictConfig) -> Plan:
 
 def settle_weights(cfg: DictConfig) -> None:
     """`ckpt_path` as the checkpoint it names (checkpoint_named), said in one line with the run that trained it (`last`
-    may be any run's), and `model_builders`, what may rebuild its model, for the workers (which have no Hydra run to
-    read them from)."""
+    may be any run's), and `model_config_dirs`, whose model configs say what may rebuild its model, for the workers
+    (which have no Hydra run to read them from)."""
     spec = str(cfg.ckpt_path)
     path = checkpoint_named(spec, Path(cfg.paths.log_dir))
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
@@ -49,7 +49,7 @@ def settle_weights(cfg: DictConfig) -> None:
     log.info("ckpt_path=%s: %s%s", spec, shown(path), trained)
     cfg.ckpt_path = str(path)
     with open_dict(cfg):
-        cfg.model_builders = sorted(model_builders())
+        cfg.model_config_dirs = model_config_dirs()
 
 
 def input_files(spec: str) -> list[str]:
@@ -89,7 +89,7 @@ def predict(cfg: DictConfig) -> dict:
             self.rows += zip(batch[1].tolist(), top.indices.tolist(), top.values.tolist())
 
     start_process(cfg)
-    model, record = load_for_inference(Path(cfg.ckpt_path), set(cfg.model_builders))
+    model, record = load_for_inference(Path(cfg.ckpt_path), list(cfg.model_config_dirs))
     run_dir = Path(cfg.paths.output_dir)
     paths = (run_dir / "inputs.txt").read_text().splitlines()
     images = ImagesToPredict(paths, record, int(cfg.batch_size), int(cfg.num_workers), bool(cfg.skip_unreadable))

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from starter.checkpointing.record import model_builders
 from starter.checkpointing.resume import check_sharded, resolve_ckpt_path, saved_config
 from starter.config_schema import check_schema
 from starter.data.settle import settle_data
@@ -16,6 +15,7 @@ from starter.launch.environment import launch_plan
 from starter.loggers.lifecycle import wandb_run_id
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
 from starter.topology import Plan, lay_out
+from starter.untrusted import model_config_dirs
 
 LOGGER_PACKAGES = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}  # logger: its extra
 
@@ -36,7 +36,7 @@ def prepare(cfg: DictConfig) -> Plan:
         if not Path(cfg.init_from).is_file():
             raise UserError(f"init_from={cfg.init_from}: no such file")
         with open_dict(cfg):  # what may rebuild a model, for the workers (which have no Hydra run to read it from)
-            cfg.model_builders = sorted(model_builders())
+            cfg.model_config_dirs = model_config_dirs()
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
     saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
     if path is not None:

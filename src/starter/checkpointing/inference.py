@@ -7,10 +7,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from starter.checkpointing.record import check_record
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
+from starter.untrusted import declared_models, model_config
 
 # what ShardedDataModule.inference() records, which predicting from image files needs
 IMAGE_RECORD = ("image_shape", "value_range", "mean", "std", "classes", "resize", "crop")
@@ -41,29 +41,29 @@ def save_full_weights(trainer, path: Path, inference: dict) -> None:
         torch.save({"state_dict": state, "inference": inference}, path)
 
 
-def load_for_inference(path: Path, builders: set[str]) -> tuple[L.LightningModule, dict]:
+def load_for_inference(path: Path, config_dirs: list) -> tuple[L.LightningModule, dict]:
     """The trained model (CPU, eval mode) and its inference record, from any checkpoint of this starter or model.pt;
-    rebuilt only by `builders`, what the model configs here name (checkpointing/record.py). An image classifier's:
-    its record says how images were prepared."""
+    rebuilt as the model configs of `config_dirs` allow (starter/untrusted.py). An image classifier's: its record
+    says how images were prepared."""
     saved = _saved(path)
     if missing := [key for key in IMAGE_RECORD if key not in saved["inference"]]:
         raise UserError(
             f"ckpt_path={path}: its run's DataModule recorded no {', '.join(missing)} (an image classifier's inference"
             " record, which a ShardedDataModule writes); predict.py and export.py need one"
         )
-    return load_trained(path, builders, saved)
+    return load_trained(path, config_dirs, saved)
 
 
-def load_trained(path: Path, builders: set[str], saved: dict | None = None) -> tuple[L.LightningModule, dict]:
+def load_trained(path: Path, config_dirs: list, saved: dict | None = None) -> tuple[L.LightningModule, dict]:
     """The trained LightningModule (CPU, eval mode) and its inference record, from any checkpoint of this starter
-    (any strategy's, a sharded directory too) or model.pt, rebuilt from the model config the record holds, only by
-    `builders`; its weights loaded weights-only. `saved`: the checkpoint's contents, where read already."""
+    (any strategy's, a sharded directory too) or model.pt, rebuilt from the model config the record holds as the
+    model configs of `config_dirs` allow; its weights loaded weights-only. `saved`: the checkpoint's contents, where
+    read already."""
     from hydra.utils import instantiate
 
     saved = saved or _saved(path)
     record = saved["inference"]
-    check_record(record, builders, f"ckpt_path={path}")
-    model = instantiate(record["model"])
+    model = instantiate(model_config(record, declared_models(config_dirs), f"ckpt_path={path}"))
     if path.is_dir():  # torch.distributed.checkpoint reshards whatever the strategy's layout into whole tensors
         weights = {"state_dict": model.state_dict()}
         read_sharded(weights, path)

@@ -7,21 +7,21 @@ from pathlib import Path
 
 import torch
 
-from starter.checkpointing.record import check_record
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.errors import UserError
 from starter.models.head import head_name
+from starter.untrusted import declared_models, model_config
 
 log = logging.getLogger(__name__)
 
 
-def load_initial_weights(model: torch.nn.Module, path: Path, builders: set[str]) -> None:
-    """`builders`: what a model config here names; a checkpoint's inference record naming anything else is refused,
-    as predict.py refuses it, though only its weights are read here."""
+def load_initial_weights(model: torch.nn.Module, path: Path, config_dirs: list) -> None:
+    """`config_dirs`: the config folders whose model configs say what a record may ask for; a checkpoint's inference
+    record asking for anything else is refused, as predict.py refuses it, though only its weights are read here."""
     with refusing_pickled_code(path, key="init_from"):
         saved = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(saved, dict) and "inference" in saved:
-        check_record(saved["inference"], builders, f"init_from={path}")
+        model_config(saved["inference"], declared_models(config_dirs), f"init_from={path}")
     state = saved.get("state_dict", saved) if isinstance(saved, dict) else {}
     own = model.state_dict()
     net = getattr(model, "net", None)

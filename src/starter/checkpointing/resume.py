@@ -9,9 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from starter.checkpointing.record import interpolations
 from starter.config_choices import leaves
 from starter.errors import UserError, first_line
+from starter.untrusted import interpolations
 
 log = logging.getLogger(__name__)
 
