@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from starter.atomic_write import replacing
 from starter.errors import (
     INTERRUPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
@@ -190,11 +191,9 @@ def save_resolved(cfg: DictConfig, path: Path) -> Path:
     line."""
     from omegaconf.errors import InterpolationResolutionError
 
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        OmegaConf.save(cfg, temporary, resolve=True)
+        with replacing(path) as file:
+            OmegaConf.save(cfg, file, resolve=True)
     except InterpolationResolutionError as err:
-        Path(temporary).unlink(missing_ok=True)
         raise UserError(f"{err.full_key}: {' '.join(first_line(err, named=False).split())}") from None
-    os.replace(temporary, path)
     return path

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
+from starter.atomic_write import replacing
 from starter.checkpointing.resume import checkpoint_named
 from starter.config_schema import check_schema
 from starter.errors import UserError
@@ -34,7 +35,8 @@ def prepare(cfg: DictConfig) -> Plan:
     settle_weights(cfg)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "inputs.txt").write_text("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
+    with replacing(run_dir / "inputs.txt") as file:
+        file.write("".join(f"{path}\n" for path in input_files(str(cfg.inputs))))
     return plan
 
 
@@ -109,7 +111,7 @@ def predict(cfg: DictConfig) -> dict:
 
 def write_predictions(path: Path, rows: list, paths: list[str], classes: list[str]) -> None:
     top_k = len(classes) > SHOWN
-    with path.open("w", newline="") as f:
+    with replacing(path, newline="") as f:
         out = csv.writer(f)
         out.writerow(["path", "class", "probability"] + (["top5"] if top_k else []))
         for index, top, chances in rows:

@@ -21,6 +21,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from starter.atomic_write import replacing
 from starter.errors import USER_ERROR_EXIT_CODE
 
 JOURNAL = "optuna.journal"
@@ -260,4 +261,5 @@ def write_results(study, path: Path) -> None:
         "trials": len(study.trials),
         "pruned_trials": pruned,
     }
-    OmegaConf.save(OmegaConf.create(results), path)
+    with replacing(path) as file:
+        OmegaConf.save(OmegaConf.create(results), file)

@@ -8,6 +8,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from starter.atomic_write import replacing
+
 
 def local_bytes(tensors) -> int:
     """The bytes of this rank's part of each tensor among `tensors` (a DTensor's local shard)."""
@@ -44,4 +46,5 @@ class StateBytes(L.Callback):
         figures["peak_memory"] = peak_memory(pl_module.device)
         directory = self.output_dir / "state_bytes"
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures) + "\n")
+        with replacing(directory / f"rank{trainer.global_rank}.json") as file:
+            file.write(json.dumps(figures) + "\n")

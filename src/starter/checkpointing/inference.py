@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from starter.atomic_write import replacing
 from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
@@ -37,8 +38,8 @@ def save_full_weights(trainer, path: Path, inference: dict) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = gather() if gather else get_model_state_dict(trainer.lightning_module, options=options)
     if trainer.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"state_dict": state, "inference": inference}, path)
+        with replacing(path, "wb") as file:
+            torch.save({"state_dict": state, "inference": inference}, file)
 
 
 def load_for_inference(path: Path, config_dirs: list) -> tuple[L.LightningModule, dict]:

@@ -5,6 +5,8 @@ import logging
 import sys
 from pathlib import Path
 
+from starter.atomic_write import unlink_symlink
+
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file's
 
 
@@ -14,6 +16,14 @@ class Console(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name.startswith("starter") and not getattr(record, "file_only", False)
         return own or record.levelno >= logging.ERROR
+
+
+class RunLog(logging.FileHandler):
+    """The run's log file, appended to; where its entry is a symlink, a file of its own instead."""
+
+    def _open(self):
+        unlink_symlink(self.baseFilename)
+        return super()._open()
 
 
 def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, verbose: bool = False) -> None:
@@ -28,7 +38,7 @@ def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, ver
         console.addFilter(Console())
     root.addHandler(console)
     if log_file is not None:
-        file = logging.FileHandler(log_file)
+        file = RunLog(log_file)
         file.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(file)
     root.setLevel(logging.INFO)

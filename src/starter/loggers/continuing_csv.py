@@ -7,6 +7,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from starter.atomic_write import unlink_symlink
+
 
 class ContinuingCSVLogger(CSVLogger):
     @property
@@ -20,6 +22,7 @@ class ContinuingCSVLogger(CSVLogger):
 
 class _ContinuingWriter(ExperimentWriter):
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
+        unlink_symlink(self.metrics_file_path)
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as f:
                 self.metrics_keys = next(csv.reader(f), [])  # new keys later rewrite the header, rows kept

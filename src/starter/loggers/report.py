@@ -6,12 +6,15 @@ import logging
 import os
 from pathlib import Path
 
+from starter.atomic_write import replacing
+
 log = logging.getLogger(__name__)
 
 
 def write_run_outputs(run_dir: Path, metrics: dict[str, float], monitor: str, tested: str | None) -> None:
     """`tested`: the checkpoint the test/* figures are of."""
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    with replacing(run_dir / "metrics.json") as file:
+        file.write(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if (run_dir / "metrics.csv").is_file():
         plot_learning_curves(run_dir / "metrics.csv", run_dir / "learning_curves.png", monitor)
     print(format_table(metrics, tested), flush=True)
@@ -58,7 +61,8 @@ def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
         if ax.has_data():
             ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with replacing(png_path, "wb") as file:
+        fig.savefig(file, dpi=100, format="png")
 
 
 def log_model_summary(model, image_shape) -> None:

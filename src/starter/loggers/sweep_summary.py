@@ -9,6 +9,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from starter.atomic_write import replacing
 from starter.loggers.report import shown
 
 
@@ -74,7 +75,7 @@ def summary_rows(sweep: Path, hidden: str | None = None, pruned: set[int] = froz
 
 
 def write_summary(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
+    with replacing(path, newline="") as f:
         out = csv.writer(f)
         out.writerow(["job", "overrides", rows[0]["monitor"], "best", "run_dir"])
         for row in rows:
