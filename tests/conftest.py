@@ -4,6 +4,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -391,6 +392,19 @@ class Planted:
 
     def __reduce__(self):
         return print, ("CODE FROM THE CHECKPOINT RAN",)
+
+
+class UnpicklesItsOwn:
+    """A user's callback whose own unpickling fails as the training starts: no checkpoint's doing."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class Callback(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                raise pickle.UnpicklingError("the callback's own cache is unreadable")
+
+        return Callback()
 
 
 def as_rank(datamodule, world: int, rank: int, global_rank: int | None = None, processes: int | None = None):

@@ -379,6 +379,12 @@ def test_checkpoint_of_a_different_model_is_refused_before_training(default_run,
     train(tmp_path / "as_saved", *narrow, "model.net.width=256")
 
 
+def test_an_unpickling_error_of_a_users_own_code_is_its_own_not_a_checkpoints(tmp_path):
+    proc = train(tmp_path, "debug=fdr", "+callbacks.theirs._target_=conftest.UnpicklesItsOwn", expect_ok=False)
+    assert proc.returncode == 1 and "UnpicklingError: the callback's own cache is unreadable" in proc.stderr
+    assert "holds pickled objects" not in proc.stderr  # no checkpoint was loaded, none is blamed
+
+
 @pytest.mark.parametrize("saved", ["best.ckpt", "model.pt"])
 def test_a_checkpoint_holding_pickled_code_is_refused_in_one_line_by_every_reader(default_run, saved, tmp_path):
     planted = tmp_path / saved

@@ -5,7 +5,7 @@ import json
 import os
 import pickle
 import shutil
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -166,6 +166,46 @@ def test_a_sharded_checkpoint_pointing_outside_its_directory_is_refused(short_ru
     planted = planted_copy(short_runs, tmp_path, elsewhere)
     line = f"error: {planted}/.metadata: refused, it points at '../../../../etc/passwd', not a shard file of its"
     assert refused_everywhere(tmp_path, planted, digit_files) == [f"{line} directory"] * 4
+
+
+class PathSayingOtherwise:
+    """Pickles as a PosixPath that joins as ../elsewhere/__0_0.distcp and prints as __0_0.distcp (its cached text
+    set as the object is unpickled)."""
+
+    def __reduce__(self):
+        return PosixPath, ("../elsewhere/__0_0.distcp",), (None, {"_str": "__0_0.distcp"})
+
+
+def test_a_sharded_checkpoint_whose_shard_path_prints_as_a_shard_file_but_is_not_one_is_refused(short_runs, tmp_path):
+    from starter.checkpointing.sharded_read import read_metadata
+    from starter.errors import UserError
+
+    def elsewhere(metadata):
+        metadata.storage_data[next(iter(metadata.storage_data))].relative_path = PathSayingOtherwise()
+
+    planted = planted_copy(short_runs, tmp_path, elsewhere)
+    with pytest.raises(UserError) as refused:
+        read_metadata(planted)
+    assert (
+        str(refused.value)
+        == f"{planted}/.metadata: refused, it points at a PosixPath, not a shard file of its directory"
+    )
+
+
+def test_metadata_naming_any_other_torch_object_is_refused_before_it_is_called(tmp_path):
+    from starter.checkpointing.sharded_read import read_metadata
+    from starter.errors import UserError
+
+    # torch.ops.load_library("<file>") would load a shared library: a global of torch, yet no checkpoint metadata
+    library = str(tmp_path / "library.so").encode()
+    calls = b"\x80\x04\x8c\x05torch\x8c\x10ops.load_library\x93\x8c" + bytes([len(library)]) + library + b"\x85R."
+    (tmp_path / ".metadata").write_bytes(calls)
+    with pytest.raises(UserError) as refused:
+        read_metadata(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}/.metadata: refused, not a checkpoint's metadata (it names torch.ops.load_library, which is no"
+        " checkpoint metadata); loading it could run code"
+    )
 
 
 def test_a_sharded_checkpoint_entry_holding_pickled_code_is_refused(short_runs, digit_files, tmp_path):

@@ -318,3 +318,27 @@ def test_a_module_that_owns_its_loaders_runs_without_a_datamodule_split_by_light
     (run_dir,) = run_dirs(tmp_path / "ddp")
     loaded = DigitsWithOwnLoaders.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert torch.equal(loaded.layer.weight, model_weights(run_dir)["layer.weight"])
+
+
+def test_hyperparameters_of_types_of_their_own_are_saved_as_the_primitives_they_are(tmp_path):
+    import collections
+    import enum
+
+    import numpy as np
+
+    from starter.checkpointing.hyperparameters import PlainHyperparameters
+
+    class Colour(str, enum.Enum):
+        RED = "red"
+
+    class Size(enum.IntEnum):
+        BIG = 3
+
+    pair = collections.namedtuple("Pair", "a b")
+    saved = {"hyper_parameters": {"lr": np.float64(0.5), "steps": np.int64(3), "colour": Colour.RED, "size": Size.BIG,
+                                  "pair": pair(1, np.float32(2.0)), "names": ["a", Colour.RED]}}  # fmt: skip
+    PlainHyperparameters(model={}, data={}).on_save_checkpoint(None, None, saved)
+    torch.save(saved, tmp_path / "saved.ckpt")
+    loaded = torch.load(tmp_path / "saved.ckpt", weights_only=True)["hyper_parameters"]  # the starter's own reader
+    assert loaded == {"lr": 0.5, "steps": 3, "colour": "red", "size": 3, "pair": (1, 2.0), "names": ["a", "red"]}
+    assert [type(v) for v in loaded.values()] == [float, int, str, int, tuple, list]

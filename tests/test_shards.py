@@ -248,18 +248,18 @@ def test_a_record_of_another_kind_is_never_deserialized_whatever_its_index_said(
     assert "CODE FROM THE CHECKPOINT RAN" not in capfd.readouterr().out
 
 
-def test_a_set_naming_a_chunk_outside_its_directory_is_refused(digit_shards, tmp_path):
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "chunk-0-0.bin/../../../../etc/passwd"])
+def test_a_set_naming_a_chunk_outside_its_directory_is_refused(name, digit_shards, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(digit_shards, elsewhere)
     index_file = elsewhere / "val" / "index.json"
     index = json.loads(index_file.read_text())
-    index["chunks"][0]["filename"] = "../../../../etc/passwd"
+    index["chunks"][0]["filename"] = name  # the second starts as a chunk's name does
     index_file.write_text(json.dumps(index))
     proc = train(tmp_path, *SHARDS, f"data.source={elsewhere}", "debug=fdr", expect_ok=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {index_file}: refused, it names a chunk '../../../../etc/passwd': a chunk is a file beside it"
-        " (chunk-<n>-<m>.bin)"
+        f"error: {index_file}: refused, it names a chunk {name!r}: a chunk is a file beside it (chunk-<n>-<m>.bin)"
     )
 
 

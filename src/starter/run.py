@@ -15,7 +15,7 @@ from starter.callbacks.random_state import RandomState
 from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
-from starter.checkpointing.resume import check_checkpoint_fits, refusing_pickled_code
+from starter.checkpointing.resume import check_checkpoint_fits
 from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line, stopped_after_saving
 from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
@@ -75,9 +75,8 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
         check_checkpoint_fits(model, Path(cfg.ckpt_path), cfg.model)
     metrics: dict[str, float] = {}
     if cfg.train:
-        try:
-            with refusing_pickled_code(cfg.ckpt_path):
-                trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        try:  # a checkpoint's load refuses pickled code in one line: checkpointing/atomic_io.py, the strategies
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         except SIGTERMException:
             if trainer.is_global_zero:
                 log.warning("%s", stopped_after_saving("a stop signal", trainer.global_step))
@@ -98,8 +97,7 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
                     saved_epoch(Path(ckpt_path)),
                     figure,
                 )
-        with refusing_pickled_code(ckpt_path):
-            trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
+        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
         tested = shown(ckpt_path, cfg.paths.output_dir) if ckpt_path else "the final weights"

@@ -1,13 +1,19 @@
-"""Checkpoint files written as every file of a run is (starter/atomic_write.py). Lightning stages the bytes in the
-system temp directory and moves them: across file systems a copy, which a kill leaves truncated."""
+"""Checkpoint files written as every file of a run is (starter/atomic_write.py), and read weights-only with a refusal
+in one line. Lightning stages the bytes in the system temp directory and moves them: across file systems a copy,
+which a kill leaves truncated."""
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from starter.atomic_write import replacing
+from starter.checkpointing.resume import refusing_pickled_code
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         with replacing(path, "wb") as file:
             torch.save(checkpoint, file)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        with refusing_pickled_code(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)

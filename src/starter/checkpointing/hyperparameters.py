@@ -4,13 +4,13 @@ model's or the data's config key of the same name), else left out, said once in 
 `hparams` are untouched (a template's `configure_optimizers` calls `self.hparams.optimizer`)."""
 
 import logging
+import numbers
 
 import lightning as L
 import torch
 from omegaconf import Container, OmegaConf
 
 log = logging.getLogger(__name__)
-PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
 # Lightning's keys: the hyperparameters, and the type it records where they are an OmegaConf container
 SAVED = {"hyper_parameters": "hparams_type", "datamodule_hyper_parameters": "datamodule_hparams_type"}
 
@@ -30,10 +30,10 @@ class PlainHyperparameters(L.Callback):
     def plain(self, hparams: dict, config: dict, key: str, trainer) -> dict:
         kept, as_config, left_out = {}, [], []
         for name, value in hparams.items():
-            value = _container(value)
-            if is_plain(value):
+            value = as_plain(_container(value))
+            if value is not CODE:
                 kept[name] = value
-            elif name in config and is_plain(config[name]):
+            elif name in config and as_plain(config[name]) is not CODE:
                 kept[name] = config[name]
                 as_config.append(name)
             else:
@@ -52,13 +52,27 @@ class PlainHyperparameters(L.Callback):
         return kept
 
 
-def is_plain(value) -> bool:
-    """Whether `torch.load(weights_only=True)` reads `value` back: primitives and tensors, in dicts, lists, tuples."""
+def as_plain(value):
+    """`value` in types that `torch.load(weights_only=True)` reads back (primitives and tensors, in dicts, lists,
+    tuples), exactly: a number or string of a type of its own (numpy's float64, an IntEnum, a str Enum, a namedtuple)
+    as the primitive it is. CODE where it holds anything else."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
     if isinstance(value, dict):
-        return all(isinstance(k, PLAIN) and is_plain(v) for k, v in value.items())
+        pairs = [(as_plain(k), as_plain(v)) for k, v in value.items()]
+        return CODE if any(k is CODE or v is CODE for k, v in pairs) else dict(pairs)
     if isinstance(value, (list, tuple)):
-        return all(map(is_plain, value))
-    return isinstance(value, PLAIN)
+        items = [as_plain(v) for v in value]
+        return CODE if any(v is CODE for v in items) else items if isinstance(value, list) else tuple(items)
+    for kind, exact in PRIMITIVES:
+        if isinstance(value, kind):
+            return exact(value)
+    return CODE
+
+
+CODE = object()  # what as_plain gives for a value that is not plain
+# a primitive of a type of its own as the primitive (str.__str__: a str Enum's text, not its name)
+PRIMITIVES = ((bool, bool), (numbers.Integral, int), (numbers.Real, float), (str, str.__str__), (bytes, bytes))
 
 
 def _container(value):

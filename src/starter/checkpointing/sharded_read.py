@@ -51,9 +51,10 @@ def read_metadata(directory: Path):
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise UserError(f"{path}: refused, it holds {type(metadata).__name__}, not a checkpoint's metadata")
     for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo) or not SHARD_NAME.fullmatch(str(info.relative_path)):
-            where = getattr(info, "relative_path", info)
-            raise UserError(f"{path}: refused, it points at {where!r}, not a shard file of its directory")
+        shard = getattr(info, "relative_path", info)  # a str, exactly: a Path's text need not be the path it joins as
+        if not isinstance(info, _StorageInfo) or type(shard) is not str or not SHARD_NAME.fullmatch(shard):
+            where = repr(shard) if type(shard) is str else f"a {type(shard).__name__}"
+            raise UserError(f"{path}: refused, it points at {where}, not a shard file of its directory")
         if info.transform_descriptors:
             raise UserError(f"{path}: refused, its shards are transformed ({info.transform_descriptors})")
     return metadata

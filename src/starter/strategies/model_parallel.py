@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from starter.checkpointing.resume import is_sharded
+from starter.checkpointing.resume import is_sharded, refusing_pickled_code
 from starter.checkpointing.sharded import point_atomically
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
@@ -96,7 +96,10 @@ class OutsideModelParallel(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Lightning's reading of a sharded checkpoint (the model's shards, each optimizer's, then meta.pt: the rest),
         through a reader that takes data only (checkpointing/sharded_read.py); a whole file is Lightning's."""
-        path = Path(self.broadcast(checkpoint_path))
+        with refusing_pickled_code(checkpoint_path):
+            return self._load_checkpoint(Path(self.broadcast(checkpoint_path)))
+
+    def _load_checkpoint(self, path: Path) -> dict:
         if not is_sharded(path):
             return super().load_checkpoint(path, weights_only=True)
         from torch.distributed.checkpoint.state_dict import (

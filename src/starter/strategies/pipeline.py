@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from starter.checkpointing.resume import refusing_pickled_code
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
 from starter.models.logging_step import is_logging_step, steps_optimizer
@@ -237,6 +238,10 @@ class Pipelined:
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Each process reads its stages' weights (by name, whatever the cut that saved them) and optimizer state
         (same cut only: checked before launch); returns the rest of the checkpoint."""
+        with refusing_pickled_code(checkpoint_path):
+            return self._load_stages(checkpoint_path)
+
+    def _load_stages(self, checkpoint_path) -> dict:
         if not self.pipelined:
             return super().load_checkpoint(checkpoint_path, weights_only=True)
         from torch.distributed.checkpoint.state_dict import (
