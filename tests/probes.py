@@ -38,6 +38,28 @@ class SigtermAtStep(L.Callback):
             os.kill(os.getpid(), signal.Signals[self.signal])
 
 
+class SignalInPhase(L.Callback):
+    """Sends `signal` to this process as the run enters `phase` (setup, the sanity check, the test), as a scheduler's
+    preemption would there."""
+
+    def __init__(self, phase: str, signal: str = "SIGTERM"):
+        self.phase, self.signal = phase, signal
+
+    def _send(self, phase: str) -> None:
+        if phase == self.phase:
+            os.kill(os.getpid(), signal.Signals[self.signal])
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._send("setup" if stage == "fit" else f"setup of {stage}")
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._send("the sanity check")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 0:
+            self._send("test")
+
+
 class SlowSteps(L.Callback):
     """Each training step takes `seconds` longer, as a large model's does; rank 0 writes when each step ended (its
     global step, monotonic time) to `output`, a line each."""
@@ -284,6 +306,8 @@ def wait_for_a_stop_signal(cfg) -> None:
     if rank == "0":  # as rank 0 says once last.ckpt is in place
         from starter.callbacks.stop_agreement import StopAgreement
 
+        (folder / "checkpoints").mkdir()
+        torch.save({"global_step": 0}, folder / "checkpoints" / "last.ckpt")
         StopAgreement(2).say_saved(0)
     raise SystemExit(143)
 

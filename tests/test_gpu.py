@@ -148,7 +148,7 @@ def test_a_run_stopped_on_the_gpu_and_resumed_ends_bit_for_bit_where_the_straigh
     stopped = train(tmp_path, *again, *stop, env=PROBES, expect_ok=False)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     said = stopped.stdout + stopped.stderr
-    assert "stopped by a stop signal at step 12 after saving checkpoints/last.ckpt" in said, said[-2000:]
+    assert "stopped by SIGTERM during training at step 12 after saving checkpoints/last.ckpt" in said, said[-2000:]
     train(tmp_path, *again, env=PROBES)
     resumed = model_weights(tmp_path / "run")
     differences = {k: (straight[k].double() - resumed[k].double()).abs().max().item() for k in resumed}

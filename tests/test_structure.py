@@ -13,8 +13,8 @@ ENTRY_POINTS = {"main", "predict", "export"}
 ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "declared"},
-    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema"},
+    {"errors", "declared", "atomic_write"},
+    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema", "untrusted"},
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run", "trained"},

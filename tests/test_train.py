@@ -327,3 +327,26 @@ def test_a_run_directory_whose_entries_are_symlinks_gets_files_of_its_own_and_th
     # Lightning names its best checkpoint best-v1.ckpt beside an entry best.ckpt that exists
     assert [e for e in entries if (run_dir / e).is_symlink()] == ["checkpoints/best.ckpt"]
     assert "test/acc" in read_metrics(run_dir) and (run_dir / "train.log").read_text().strip()
+
+
+def test_train_false_tests_exactly_the_weights_given_whichever_way_they_are_given(default_run, tmp_path):
+    checkpoints = default_run[1] / "checkpoints"  # model.pt holds the final weights, as last.ckpt does
+    by_weights = train(tmp_path / "weights", "train=false", f"init_from={checkpoints / 'model.pt'}")
+    train(tmp_path / "checkpoint", "train=false", f"ckpt_path={checkpoints / 'last.ckpt'}")
+    tested = [read_metrics(run_dirs(tmp_path / kind)[0])["test/acc"] for kind in ("weights", "checkpoint")]
+    assert tested[0] == tested[1] >= 0.9  # trained weights, not a fresh initialisation's 0.1
+    assert f"(init_from={checkpoints / 'model.pt'})" in by_weights.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides,said",
+    [
+        (["train=false"], "train=false tests the weights given: give ckpt_path=PATH (a checkpoint; auto and last: one"),
+        (["train=false", "ckpt_path=auto"], "train=false tests the weights given: give ckpt_path=PATH"),
+        (["train=false", "test=false", "init_from=x.pt"], "train=false test=false: nothing to run;"),
+    ],
+)
+def test_train_false_without_weights_to_test_is_one_line_before_the_run(overrides, said, tmp_path):
+    (tmp_path / "x.pt").touch()
+    proc = train(tmp_path, *overrides, expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}") and proc.stderr.count("\n") == 1

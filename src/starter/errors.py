@@ -38,12 +38,6 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-def stopped_after_saving(cause: str, step: int | None = None) -> str:
-    """The line a run stopped on request ends with, once checkpoints/last.ckpt is in place."""
-    at = f" at step {step}" if step is not None else ""
-    return f"stopped by {cause}{at} after saving checkpoints/last.ckpt; resume with ckpt_path=last"
-
-
 def first_line(err: BaseException, named: bool = True) -> str:
     """The first line of an error's message, after its type's name ('Type: line') where `named` (some libraries'
     errors run over a hundred lines); the type's name alone for an error without a message."""

@@ -42,6 +42,8 @@ def prepare(cfg: DictConfig) -> Plan:
     if path is not None:
         check_sharded(path, cfg.strategy.name)
     cfg.ckpt_path = None if path is None else str(path)
+    if not cfg.train:
+        check_evaluation(cfg)
     if "wandb" in (cfg.get("logger") or {}) and cfg.logger.wandb.get("id") is None:
         cfg.logger.wandb.id = wandb_run_id(cfg, saved)
     if path is not None and path.is_dir() and saved is not None:
@@ -49,3 +51,18 @@ def prepare(cfg: DictConfig) -> Plan:
     if pipelined(cfg.strategy, plan.layout):
         check_pipeline(cfg, plan)
     return plan
+
+
+def check_evaluation(cfg: DictConfig) -> None:
+    """`train=false` tests exactly the weights given, a checkpoint (`ckpt_path`) or weights (`init_from`): one of
+    them, and a test to run."""
+    given = [key for key in ("ckpt_path", "init_from") if cfg.get(key)]
+    if not cfg.test:
+        raise UserError("train=false test=false: nothing to run; train, test a checkpoint, or predict with predict.py")
+    if not given:
+        raise UserError(
+            "train=false tests the weights given: give ckpt_path=PATH (a checkpoint; auto and last: one that exists)"
+            " or init_from=PATH (weights)"
+        )
+    if len(given) > 1:
+        raise UserError(f"train=false: give ckpt_path or init_from, not both ({cfg.ckpt_path}, {cfg.init_from})")

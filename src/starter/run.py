@@ -1,6 +1,7 @@
 """One process's part of a run: build data, model and trainer from the resolved config, fit, test, report."""
 
 import logging
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -11,12 +12,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from omegaconf import DictConfig, OmegaConf
 
 from starter.callbacks.mid_epoch_resume import MidEpochResume
+from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.random_state import RandomState
+from starter.callbacks.stop_agreement import StopAgreement, stop_line
 from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits
-from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line, stopped_after_saving
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line
 from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -39,10 +42,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
 def train_and_test(cfg: DictConfig) -> dict[str, float]:
     start_process(cfg)
     layout, traits = Layout.of(cfg), Traits.of(cfg.strategy)
+    # a callback may build to None (off); some loggers build on rank 0 only
+    callbacks = [c for name, node in cfg.callbacks.items() if (c := build(node, f"callbacks.{name}")) is not None]
+    stops = next((c for c in callbacks if isinstance(c, SaveOnSigterm)), None)
+    if stops is not None:  # a stop signal from here on stops the run where it can (callbacks/preemption.py)
+        stops.listen()
     datamodule = build(cfg.data, "data") if "_target_" in cfg.data else None  # data=none: the module's loaders
     model = build(cfg.model, "model")
     try_factories(cfg.model, "model")
-    if cfg.get("init_from") and cfg.train and not cfg.ckpt_path:
+    if cfg.get("init_from") and not cfg.ckpt_path:  # training from them, or testing them (train=false)
         load_initial_weights(model, Path(cfg.init_from), list(cfg.model_config_dirs))
     if cfg.trainer.get("enable_model_summary") and process_rank() == 0 and "image_shape" in cfg.data:
         log_model_summary(model, cfg.data.image_shape)
@@ -53,15 +61,16 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     inference = SaveInference(OmegaConf.to_container(cfg.model, resolve=True))
     configs = (OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.data))
     hyperparameters = PlainHyperparameters(*configs, shown(cfg.paths.output_dir))
-    # a callback may build to None (off); some loggers build on rank 0 only
-    callbacks = [c for name, node in cfg.callbacks.items() if (c := build(node, f"callbacks.{name}")) is not None]
     loggers = [lg for name, node in cfg.logger.items() if (lg := build(node, f"logger.{name}")) is not None]
     # what every run keeps, whatever the callbacks config says
     own = [inference, hyperparameters, MidEpochResume(), RandomState(cfg.seed)]
     trainer = build_trainer(cfg, layout, [*callbacks, *own], loggers, getattr(datamodule, "shards_itself", False))
     log_config(trainer, cfg)
     try:
-        metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record)
+        try:
+            metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record, stops)
+        except SIGTERMException:  # Lightning's, or ours (callbacks/preemption.py): at any phase
+            stopped(cfg, trainer, stops)
     except BaseException as err:  # a logger's run is marked with how the job ends
         end_logger_runs(trainer, err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1)
         raise
@@ -70,19 +79,19 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict) -> dict[str, float]:
+def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict, stops) -> dict[str, float]:
+    """`stops`: the run's SaveOnSigterm (None where the callbacks config has none)."""
     if cfg.ckpt_path:
         check_checkpoint_fits(model, Path(cfg.ckpt_path), cfg.model)
     metrics: dict[str, float] = {}
-    if cfg.train:
-        try:  # a checkpoint's load refuses pickled code in one line: checkpointing/atomic_io.py, the strategies
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-        except SIGTERMException:
-            if trainer.is_global_zero:
-                log.warning("%s", stopped_after_saving("a stop signal", trainer.global_step))
-            raise SystemExit(PREEMPTED_EXIT_CODE) from None
+    if cfg.train:  # a checkpoint's load refuses pickled code in one line: checkpointing/atomic_io.py, the strategies
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
+        if stops is not None:
+            stops.enter("the final save")
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)
+        if stops is not None:
+            stops.stop_here()
     ckpt_path = cfg.ckpt_path
     if cfg.test:
         if cfg.train:
@@ -100,9 +109,22 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False, weights_only=True)
         metrics |= _floats(trainer.callback_metrics)
     if trainer.is_global_zero:
-        tested = shown(ckpt_path, cfg.paths.output_dir) if ckpt_path else "the final weights"
+        weights = f"init_from={cfg.init_from}" if cfg.get("init_from") and not cfg.train else "the final weights"
+        tested = shown(ckpt_path, cfg.paths.output_dir) if ckpt_path else weights
         write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor, tested if cfg.test else None)
     return metrics
+
+
+def stopped(cfg: DictConfig, trainer: L.Trainer, stops) -> None:
+    """Exit 143 with the run's one stop line (errors.stop_line), said by rank 0; under several processes it tells
+    the launcher so through the run's store, and the launcher says none of its own."""
+    if trainer.is_global_zero:
+        cause = (stops and stops.received) or "a stop signal"
+        phase, step = (stops.received_in, stops.saved_step) if stops is not None else (None, None)
+        print(f"error: {stop_line(cause, cfg.paths.output_dir, phase, step)}", file=sys.stderr, flush=True)
+        if trainer.world_size > 1:
+            StopAgreement(trainer.world_size).say_told()
+    raise SystemExit(PREEMPTED_EXIT_CODE) from None
 
 
 def start_process(cfg: DictConfig) -> None:

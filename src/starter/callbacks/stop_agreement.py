@@ -1,11 +1,13 @@
 """How the ranks of a run agree on the step at which a stop signal stops them, through the run's store: no collective,
-nothing read from the device, and nothing at all until a signal arrives. Lightning-free: the launcher and the
-watchdogs read what it writes."""
+nothing read from the device, and nothing at all until a signal arrives; and the one line a stopped run ends with.
+Lightning-free: the launcher and the watchdogs read what it writes."""
 
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 
+from starter.loggers.report import shown
 from starter.topology import key_prefix
 
 STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), what was saved
@@ -56,8 +58,15 @@ class StopAgreement:
 
     def say_saved(self, step: int) -> None:
         """Rank 0, once last.ckpt is in place: what the launcher's line may then say (where it still listens)."""
+        self._set("saved", str(step))
+
+    def say_told(self) -> None:
+        """Rank 0, once it has said the run's stop line: the launcher says none of its own."""
+        self._set("told", "1")
+
+    def _set(self, key: str, value: str) -> None:
         try:
-            self.store().set(f"{self.prefix}/saved", str(step))
+            self.store().set(f"{self.prefix}/{key}", value)
         except (OSError, RuntimeError):
             pass
 
@@ -73,4 +82,38 @@ def saved_step(store, prefix: str) -> int | None:
     try:
         return int(store.get(key).decode()) if store is not None and store.check([key]) else None
     except Exception:  # the store is gone
+        return None
+
+
+def told(store, prefix: str) -> bool:
+    """Whether rank 0 has said the run's stop line (StopAgreement.say_told)."""
+    try:
+        return store.check([f"{prefix}/{STOP_KEY}/told"])
+    except Exception:  # the store is gone
+        return False
+
+
+def stop_line(cause: str, run_dir, phase: str | None = None, saved_step: int | None = None, why: str = "") -> str:
+    """The one line a run stopped on request ends with, wherever it is said (run.py, the launcher, Oversight), from
+    what is on disk: "after saving" only where this stop saved checkpoints/last.ckpt at `saved_step` (rank 0's word)
+    and the file there holds that step; else what last.ckpt holds, if anything. `why`: why nothing was saved now."""
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    during, because = f" during {phase}" if phase else "", f"{why}; " if why else ""
+    step = checkpoint_step(last)
+    resume = f"resume with ckpt_path={shown(last)}"
+    if saved_step is not None and step == saved_step:
+        return f"stopped by {cause}{during} at step {step} after saving checkpoints/last.ckpt; {resume}"
+    if step is None:
+        return f"stopped by {cause}{during}; {because}nothing was saved (this run has no checkpoints/last.ckpt)"
+    return f"stopped by {cause}{during}; {because}checkpoints/last.ckpt holds step {step}, saved before; {resume}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a checkpoint (a sharded one: its meta.pt) was saved at; None where there is none to read."""
+    import torch
+
+    try:
+        saved = torch.load(path / "meta.pt" if path.is_dir() else path, mmap=True, weights_only=True)
+        return int(saved["global_step"])
+    except Exception:  # none there, or one cut short
         return None

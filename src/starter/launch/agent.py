@@ -76,11 +76,11 @@ def start_workers(
         signals_to_handle=",".join(stop_signals or ["SIGTERM"]),
         shutdown_timeout=int(grace_s),
     )
-    oversight = Oversight(store, prefix, node, devices)
+    oversight = Oversight(store, prefix, node, devices, config_path.parent, grace_s)
     try:
         elastic_launch(config, work)(str(config_path), job, dict(os.environ, OMP_NUM_THREADS=str(threads)), os.getpid())
     except SignalException as stop:  # the agent forwarded it to the workers and gave them `grace_s` to end
-        raise oversight.stopped(signal.Signals(stop.sigval).name, grace_s) from None
+        raise oversight.stopped(signal.Signals(stop.sigval).name) from None
     except ChildFailedError as err:
         failed = oversight.failed(err.get_first_failure())
         # this job serves the store: the other nodes read the failure from it first, but for the one that wrote it

@@ -36,10 +36,12 @@ ENVIRONMENTS = {
 
 def cluster_environment(launcher: str | None):
     """Lightning's environment for the ranks `launcher` (external_launcher) started; Lightning's plain environment
-    where train.py's agent started them, or for one process."""
+    where train.py's agent started them, or for one process. SLURM's without Lightning's own requeue: every stop
+    signal, SIGUSR1 included, is this starter's at every phase (callbacks/preemption.py)."""
     from lightning.fabric.plugins import environments
 
-    return getattr(environments, ENVIRONMENTS.get(launcher, "LightningEnvironment"))()
+    name = ENVIRONMENTS.get(launcher, "LightningEnvironment")
+    return getattr(environments, name)(**({"auto_requeue": False} if launcher == "slurm" else {}))
 
 
 def external_launcher(world: int) -> str | None:

@@ -5,10 +5,11 @@ first failure in one line."""
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
-from starter.callbacks.stop_agreement import saved_step
-from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed, stopped_after_saving
+from starter.callbacks.stop_agreement import saved_step, stop_line, told
+from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
 from starter.launch.watchdog import failure, process_state, report, where
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
@@ -19,8 +20,9 @@ class Oversight:
     kills a stopped worker as soon as the agent is stopping it (it cannot act on the agent's SIGTERM, after which the
     agent waits 30 s before a SIGKILL). Not before: the agent names the first worker that ended, not one killed here."""
 
-    def __init__(self, store, prefix: str, node: int, per_node: int):
+    def __init__(self, store, prefix: str, node: int, per_node: int, run_dir: Path, grace_s: float):
         self.store, self.prefix, self.node, self.per_node = store, prefix, node, per_node
+        self.run_dir, self.grace_s = run_dir, grace_s
         self.reported_failure: WorkerFailed | None = None
         self.pids: dict[int, int] = {}  # rank: pid, of this node's workers
         self.stopping = threading.Event()
@@ -37,20 +39,22 @@ class Oversight:
             report(self.store, 128 - process.exitcode, line, self.node, self.prefix)
             return WorkerFailed(None, 128 - process.exitcode)
         if process.exitcode == PREEMPTED_EXIT_CODE:
-            return WorkerFailed(stopped_after_saving("a stop signal"), PREEMPTED_EXIT_CODE)
+            return self.stopped("a stop signal", wait_s=self.grace_s)
         return WorkerFailed(None, process.exitcode)  # it said why
 
-    def stopped(self, signal_name: str, grace_s: float) -> WorkerFailed:
-        """What a stop signal to the launcher ended with: "after saving" only where rank 0 said last.ckpt is in place
-        (callbacks/stop_agreement.py); the agent gave the workers `grace_s` to save and end."""
-        if (step := saved_step(self.store, self.prefix)) is not None:
-            return WorkerFailed(stopped_after_saving(signal_name, step), PREEMPTED_EXIT_CODE)
-        unsaved = (
-            "checkpoints/last.ckpt was not saved: the workers did not reach the end of a step and save within"
-            f" stop_grace_s={grace_s:g} (raise it above a step and a save); ckpt_path=last resumes from the newest"
-            " checkpoint kept, if any"
-        )
-        return WorkerFailed(f"stopped by {signal_name}; {unsaved}", PREEMPTED_EXIT_CODE)
+    def stopped(self, cause: str, wait_s: float = 1.0) -> WorkerFailed:
+        """What a stop ended with (a worker's exit 143; a stop signal to the launcher, `cause`, after the agent gave
+        the workers stop_grace_s to save and end): no line where rank 0 has said the run's (waited for `wait_s`),
+        else the one stop_line from what rank 0 said it saved and what is on disk."""
+        deadline = time.monotonic() + wait_s
+        while not told(self.store, self.prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if told(self.store, self.prefix):
+            return WorkerFailed(None, PREEMPTED_EXIT_CODE)
+        step, why = saved_step(self.store, self.prefix), ""
+        if step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
+            why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
+        return WorkerFailed(stop_line(cause, self.run_dir, saved_step=step, why=why), PREEMPTED_EXIT_CODE)
 
     def _reported(self) -> WorkerFailed | None:
         if reported := failure(self.store, self.prefix):
