@@ -303,3 +303,28 @@ def test_a_node_that_never_starts_is_one_line_naming_it_after_the_wait_and_one_t
         wait_for_all_nodes(store, prefix, nodes=3, node=1, wait_s=60, config="{}")
     found = failed.value
     assert (found.message, found.exit_code, found.node) == ("node 2: no directory images/train", 2, 2)
+
+
+@pytest.mark.parametrize(
+    "env,started_by",
+    [  # a Kubeflow PyTorchJob's pod, one process; torchrun inside a Kubernetes pod (its variables are the pod's too)
+        ({"KUBERNETES_PORT": "tcp://10.0.0.1:443", "MASTER_ADDR": "m", "MASTER_PORT": "1", "WORLD_SIZE": "4",
+          "RANK": "2"}, "kubeflow"),
+        ({"KUBERNETES_PORT": "tcp://10.0.0.1:443", "MASTER_ADDR": "m", "MASTER_PORT": "1", "WORLD_SIZE": "4",
+          "RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "job"}, "torchrun"),
+    ],
+)  # fmt: skip
+def test_torchrun_inside_a_kubernetes_pod_is_torchrun_not_a_kubeflow_job(env, started_by, monkeypatch):
+    from starter.launch.environment import cluster_environment, external_launcher
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert external_launcher(4) == started_by
+    # torchrun's environment reads each rank's local rank (Kubeflow's would say 0 for every rank of a pod)
+    assert cluster_environment(started_by).local_rank() == (0 if started_by == "kubeflow" else int(env["LOCAL_RANK"]))
+
+
+def test_lightnings_own_slurm_requeue_is_off_every_stop_signal_being_ours():
+    from starter.launch.environment import cluster_environment
+
+    assert cluster_environment("slurm").auto_requeue is False
