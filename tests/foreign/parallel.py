@@ -1,7 +1,8 @@
 """LightningModules that parallelize themselves, written as Lightning's tensor-parallel and FSDP2 docs write them
 (`examples/pytorch/tensor_parallel`, the ModelParallelStrategy guide): plain layers built in `__init__`, the
 parallelism applied in `configure_model()` on `self.device_mesh`. The tensor-parallel one owns its loaders
-(`train_dataloader()` on the module, as Lightning's examples and BoringModel do): it runs with `data=none`."""
+(`train_dataloader()` on the module, as Lightning's examples and BoringModel do): it runs with `data=none`. Their steps
+take no `batch_idx`, as those docs write them: Lightning passes a step only what its signature takes."""
 
 import lightning as L
 import torch
@@ -48,13 +49,13 @@ class TensorParallelDigits(L.LightningModule):
     def forward(self, x):
         return self.head(self.model(x))
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss)
         return loss
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch):
         x, y = batch
         self.log("val_acc", (self(x).argmax(1) == y).float().mean(), sync_dist=True)
 
@@ -88,17 +89,17 @@ class ShardedDigits(L.LightningModule):
     def forward(self, x):
         return self.layers(x.flatten(1))
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train/loss", loss)
         return loss
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch):
         x, y = batch
         self.log("val/acc", (self(x).argmax(1) == y).float().mean(), sync_dist=True)
 
-    def test_step(self, batch, batch_idx):
+    def test_step(self, batch):
         x, y = batch
         self.log("test/acc", (self(x).argmax(1) == y).float().mean(), sync_dist=True)
 
@@ -114,15 +115,15 @@ class DigitsWithOwnLoaders(L.LightningModule):
         self.save_hyperparameters()
         self.layer = nn.Linear(64, 10)
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch):
         x, y = batch
         return F.cross_entropy(self.layer(x), y)
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch):
         x, y = batch
         self.log("val/acc", (self.layer(x).argmax(1) == y).float().mean(), sync_dist=True)
 
-    def test_step(self, batch, batch_idx):
+    def test_step(self, batch):
         x, y = batch
         self.log("test/acc", (self.layer(x).argmax(1) == y).float().mean(), sync_dist=True)
 

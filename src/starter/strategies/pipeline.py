@@ -151,13 +151,17 @@ class Pipelined:
     def _inputs(self, images):
         return (images,) if self.is_first else ()
 
-    def training_step(self, batch, batch_idx, *args, **kwargs):
+    # The steps take what Lightning passes: `batch_idx` only where the module's step takes one (its
+    # is_param_in_hook_signature rule), and hand the module's step exactly that.
+    def training_step(self, batch, *args, **kwargs):
         if not self.pipelined:
-            return super().training_step(batch, batch_idx, *args, **kwargs)
+            return super().training_step(batch, *args, **kwargs)
         images, labels = batch
         trainer = self.lightning_module.trainer
         parameters = list(self.lightning_module.parameters())
-        if batch_idx % trainer.accumulate_grad_batches == 0:  # a new optimizer step: the schedule adds to .grad
+        if (
+            trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        ):  # a new optimizer step: the schedule adds to .grad
             for parameter in parameters:
                 parameter.grad = None
         with self.precision_plugin.train_step_context():
@@ -171,9 +175,9 @@ class Pipelined:
                 mine = self.global_rank == self.output_source
                 shared = self.broadcast(output.detach().cpu() if mine else None, src=self.output_source)
                 if self.is_global_zero and not self.is_last:
-                    return self._with_output(shared.to(self.root_device), "training_step", batch, batch_idx)
+                    return self._with_output(shared.to(self.root_device), "training_step", batch, *args, **kwargs)
             if self.is_last:
-                return self._with_output(output.detach().to(self.root_device), "training_step", batch, batch_idx)
+                return self._with_output(output.detach().to(self.root_device), "training_step", batch, *args, **kwargs)
         return torch.zeros((), device=self.root_device)  # this stage has no loss; its backward is done
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
@@ -188,15 +192,15 @@ class Pipelined:
         self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 
-    def validation_step(self, batch, batch_idx, *args, **kwargs):
+    def validation_step(self, batch, *args, **kwargs):
         if not self.pipelined:
-            return super().validation_step(batch, batch_idx, *args, **kwargs)
-        return self._evaluate("validation_step", batch, batch_idx, *args, **kwargs)
+            return super().validation_step(batch, *args, **kwargs)
+        return self._evaluate("validation_step", batch, *args, **kwargs)
 
-    def test_step(self, batch, batch_idx, *args, **kwargs):
+    def test_step(self, batch, *args, **kwargs):
         if not self.pipelined:
-            return super().test_step(batch, batch_idx, *args, **kwargs)
-        return self._evaluate("test_step", batch, batch_idx, *args, **kwargs)
+            return super().test_step(batch, *args, **kwargs)
+        return self._evaluate("test_step", batch, *args, **kwargs)
 
     def _evaluate(self, hook: str, batch, *args, **kwargs):
         images, labels = batch
