@@ -134,3 +134,67 @@ def test_resuming_with_more_epochs_replans_the_lr_schedule_unless_told_to_keep_i
     said, kept = outputs["saved"]
     assert "resumed lr schedule continues as saved (the config now says T_max: 1 -> 2);" in said
     assert max_difference(first, kept) == 0.0  # lr 0, as the saved schedule says
+
+
+class Mesh:
+    """A device mesh of named dimensions {name: (size, this process's rank)}, as a strategy's `device_mesh` says."""
+
+    def __init__(self, dims: dict):
+        self.dims, self.mesh_dim_names = dims, tuple(dims)
+
+    def __getitem__(self, name):
+        size, rank = self.dims[name]
+        return SimpleNamespace(size=lambda: size, get_local_rank=lambda: rank)
+
+
+def process_of(world: int, rank: int, mesh: dict | None = None) -> SimpleNamespace:
+    """A trainer as process `rank` of `world` sees it: ddp's (a data-parallel place), or a mesh's."""
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world, "rank": rank},
+                               device_mesh=Mesh(mesh) if mesh else None)  # fmt: skip
+    return SimpleNamespace(strategy=strategy, world_size=world, global_rank=rank, is_global_zero=rank == 0)
+
+
+def saved_by(world: int, meshes=None) -> dict:
+    """RandomState's checkpoint entry from `world` processes, each with generators of its own (seeded by its rank)."""
+    from starter.callbacks.random_state import RandomState
+
+    entries = {"ranks": [], "places": []}
+    for rank in range(world):
+        torch.manual_seed(1000 + rank)
+        saver = RandomState(seed=0)
+        saver.on_fit_start(process_of(world, rank, meshes[rank] if meshes else None), None)
+        entry = saver.state_dict()  # one process's own (no process group): gathered, it is the list of all
+        entries["ranks"] += entry["ranks"]
+        entries["places"] += entry["places"]
+    return entries
+
+
+def resumed_as(entries: dict, trainer) -> torch.Tensor:
+    from starter.callbacks.random_state import RandomState
+
+    torch.manual_seed(7)  # the seed's numbers, where nothing is restored
+    resumed = RandomState(seed=0)
+    resumed.load_state_dict(entries)
+    resumed.on_fit_start(trainer, None)
+    resumed.on_train_start(trainer, None)
+    return torch.rand(3)
+
+
+def test_each_process_resumes_the_generators_of_its_own_place_on_every_node():
+    # 2 nodes x 2 processes: global rank 3 is node 1's local rank 1, and gets rank 3's numbers, not rank 1's
+    entries = saved_by(4)
+    for rank in range(4):
+        torch.manual_seed(1000 + rank)
+        drawn = torch.rand(3)  # what rank's generators draw next
+        assert torch.equal(resumed_as(entries, process_of(4, rank)), drawn)
+
+
+def test_generators_saved_in_another_layout_of_as_many_processes_start_from_the_seed_said_once(caplog):
+    entries = saved_by(2)  # ddp on 2, resumed under tp on 2: both are data-parallel rank 0 there
+    tensor_parallel = {"data_parallel": (1, 0), "tensor_parallel": (2, 1)}
+    with caplog.at_level("WARNING"):
+        numbers = resumed_as(entries, process_of(2, 0, tensor_parallel))
+    torch.manual_seed(7)
+    assert torch.equal(numbers, torch.rand(3))
+    assert "random generators of 2 processes (data_parallel 2), this run has 2 (data_parallel 1, tensor_parallel 2)" \
+        in caplog.text  # fmt: skip

@@ -247,6 +247,15 @@ def data_parallel_place(trainer) -> tuple[int, int]:
     return (shard["num_replicas"], shard["rank"]) if shard else (1, 0)
 
 
+def layout_place(trainer) -> tuple:
+    """This process's place in the run's layout: ((dimension, size, rank), ...) over its strategy's device mesh
+    (pipeline-, data-, tensor-parallel), else its data-parallel place. Equal places hold equal shares of the work."""
+    mesh = getattr(trainer.strategy, "device_mesh", None) if trainer else None
+    if mesh is None or not getattr(mesh, "mesh_dim_names", None):
+        return (("data_parallel", *data_parallel_place(trainer)),)
+    return tuple((name, mesh[name].size(), mesh[name].get_local_rank()) for name in mesh.mesh_dim_names)
+
+
 def process_rank() -> int:
     """This process's global rank before Lightning knows it (RANK_VARIABLES, the first set); 0 for one process."""
     return int(next((os.environ[name] for name in RANK_VARIABLES if name in os.environ), 0))

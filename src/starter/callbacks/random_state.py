@@ -1,10 +1,12 @@
 """The random numbers a training process draws itself (dropout, stochastic depth, augmentation in the main process,
 decoding on the device): each data-parallel rank draws its own, and a resumed run draws what the stopped one would
-have. Every rank's generators (torch's CPU and CUDA, numpy's, Python's) are saved in every checkpoint, gathered when
-it is written, and restored when training starts again at the same number of processes; at another number they start
-from the seed, said in one line. Every rank builds the model from the run's seed (fsdp and tp shard each rank's
-copy, so the copies must be equal); then ranks other than data-parallel rank 0 draw from a seed of their own, and
-data-parallel rank 0 goes on as one process would (a run of one process draws what it always drew)."""
+have. Every rank's generators (torch's CPU and CUDA, numpy's, Python's) are saved in every checkpoint with the rank's
+place in the layout (its data-, tensor- and pipeline-parallel rank), gathered when it is written, and restored to the
+process of the same place when training starts again in the same layout; in another layout (another number of
+processes, or ddp's checkpoint resumed under tp) they start from the seed, said in one line. Every rank builds the
+model from the run's seed (fsdp and tp shard each rank's copy, so the copies must be equal); then ranks other than
+data-parallel rank 0 draw from a seed of their own, and data-parallel rank 0 goes on as one process would (a run of
+one process draws what it always drew)."""
 
 import logging
 import random
@@ -13,7 +15,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from starter.topology import data_parallel_place
+from starter.topology import data_parallel_place, layout_place
 
 log = logging.getLogger(__name__)
 
@@ -48,39 +50,50 @@ def seed_rank(seed: int, rank: int) -> None:
 
 class RandomState(L.Callback):
     def __init__(self, seed: int):
-        self.seed, self.saved = int(seed), None
+        self.seed, self.saved, self.place = int(seed), None, (("data_parallel", 1, 0),)
 
     def setup(self, trainer, pl_module, stage: str) -> None:  # the model is built; the process group is up
         _, rank = data_parallel_place(trainer)
         if stage == "fit" and rank > 0:
             seed_rank(self.seed, rank)
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.place = layout_place(trainer)
+
     def state_dict(self) -> dict:
-        """Every rank's generators, gathered (each rank writes the checkpoint, or rank 0 writes it for all)."""
-        mine = generator_states()
-        if trainer_world() == 1:
-            return {"ranks": [mine]}
-        ranks = [None] * trainer_world()
-        torch.distributed.all_gather_object(ranks, mine)
-        return {"ranks": ranks}
+        """Every rank's generators and place, gathered (each rank writes the checkpoint, or rank 0 for all)."""
+        mine = [generator_states(), list(map(list, self.place))]
+        ranks = [mine]
+        if trainer_world() > 1:
+            ranks = [None] * trainer_world()
+            torch.distributed.all_gather_object(ranks, mine)
+        return {"ranks": [states for states, _ in ranks], "places": [place for _, place in ranks]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.saved = state_dict.get("ranks")
+        self.saved = state_dict
 
     def on_train_start(self, trainer, pl_module) -> None:  # after the checkpoint is restored and the sanity check
         saved, self.saved = self.saved, None
         if saved is None:
             return
-        if len(saved) == trainer.world_size:
-            set_generator_states(saved[trainer.global_rank])
+        places = [tuple(map(tuple, place)) for place in saved.get("places", [])]
+        if len(places) == trainer.world_size and self.place in places:
+            set_generator_states(saved["ranks"][places.index(self.place)])
         elif trainer.is_global_zero:
             log.warning(
-                "the checkpoint holds the random generators of %d processes, this run has %d: they start from the"
-                " seed (dropout and augmentation draw other numbers than the stopped run would have)",
-                len(saved),
+                "the checkpoint holds the random generators of %d processes (%s), this run has %d (%s): they start"
+                " from the seed (dropout and augmentation draw other numbers than the stopped run would have)",
+                len(saved["ranks"]),
+                shown_layout(places[0] if places else ()),
                 trainer.world_size,
+                shown_layout(self.place),
             )
 
 
 def trainer_world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def shown_layout(place: tuple) -> str:
+    """`data_parallel 2, tensor_parallel 2`: the sizes of a place's dimensions."""
+    return ", ".join(f"{name} {size}" for name, size, _ in place) or "laid out unsaid"
