@@ -225,6 +225,7 @@ def asked(key: str) -> str:
 # the run starts (conf's types and ranges: starter/config_schema.py), so no run directory is left...
 REFUSED_BEFORE_THE_RUN = [
     ("data.batch_size=abc", "data.batch_size=abc: give a whole number of 1 or more"),
+    ("data.batch_size=true", "data.batch_size=True: give a whole number of 1 or more"),  # a bool is no number
     ("data.num_workers=-1", "data.num_workers=-1: give a whole number of 0 or more"),
     ("data=mnist data.download=maybe", "data.download=maybe: give true or false"),
     ("model.optimizer.lr=-1", "model.optimizer.lr=-1: give a number above 0"),
@@ -357,3 +358,63 @@ def test_what_a_datamodule_declares_is_read_off_its_source_as_its_class_says_it(
     finally:
         sys.path.remove(str(tmp_path))
     assert declared("turned_off.Off", "shards_itself") is False and declared("turned_off.Off", "other") is None
+
+
+def test_the_options_of_a_searchpath_that_conf_hydra_default_names_are_options(tmp_path):
+    from starter.config_choices import check_choices
+
+    # a project's conf/hydra/default.yaml naming a folder of its own, as `hydra.searchpath`s in the primary config do
+    conf, own = tmp_path / "conf", tmp_path / "own"
+    (conf / "hydra").mkdir(parents=True)
+    (conf / "model").mkdir()
+    (own / "model").mkdir(parents=True)
+    (conf / "hydra" / "default.yaml").write_text(f"searchpath:\n  - file://{own}\n")
+    (own / "model" / "mine.yaml").write_text("_target_: x.Y\n")
+    check_choices(conf, "train", ["model=mine"])  # no exit: the option is there
+    with pytest.raises(SystemExit):
+        check_choices(conf, "train", ["model=theirs"])
+
+
+def test_torchruns_restarts_key_the_runs_store_by_the_attempt_not_by_how_many_may_come(monkeypatch):
+    from starter.topology import key_prefix
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    keys = []
+    for attempt in ("0", "1"):  # a restart's keys are its own: the first attempt's stop or failure stops it not
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        keys.append(key_prefix())
+    assert keys[0] != keys[1] and keys[1].endswith("/job/1")
+
+
+def test_nodes_whose_own_directories_differ_run_one_config():
+    from omegaconf import OmegaConf
+
+    from starter.launch.nodes import meeting_config
+
+    node = {"seed": 1, "model": {"lr": 0.1}, "ckpt_path": None}
+    first = OmegaConf.create({**node, "paths": {"log_dir": "/node0/logs", "output_dir": "/node0/run"}})
+    second = OmegaConf.create({**node, "paths": {"log_dir": "/scratch/logs", "output_dir": "/scratch/run"}})
+    assert meeting_config(first) == meeting_config(second)
+    assert meeting_config(first) != meeting_config(OmegaConf.merge(second, {"seed": 2}))
+
+
+def test_ckpt_path_last_names_the_newest_run_for_training_predict_export_and_load_module(tmp_path):
+    import os
+
+    from omegaconf import OmegaConf
+
+    from starter.checkpointing.resume import checkpoint_named, resolve_ckpt_path
+
+    runs = tmp_path / "logs" / "train" / "runs"
+    for age, name in enumerate(["b-newest", "a-older", "c-oldest"]):  # names that sort otherwise than their times
+        checkpoints = runs / name / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        for entry in (checkpoints / "last.ckpt", checkpoints / "model.pt", checkpoints):
+            entry.touch()
+            os.utime(entry, (1e9 - age * 1000, 1e9 - age * 1000))
+    newest = runs / "b-newest" / "checkpoints"
+    assert checkpoint_named("last", tmp_path / "logs") == newest / "model.pt"  # predict.py, export.py, load_module
+    cfg = OmegaConf.create({"ckpt_path": "last", "task_name": "train",
+                            "paths": {"log_dir": str(tmp_path / "logs"), "output_dir": str(tmp_path / "new")}})  # fmt: skip
+    assert resolve_ckpt_path(cfg) == newest / "last.ckpt"  # train.py's resume

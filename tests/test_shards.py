@@ -290,6 +290,13 @@ def test_a_record_the_store_cannot_give_is_a_user_error_and_a_bug_keeps_its_type
         "bug": KeyError("image"),
     }
     failures["gone"].__cause__ = ChunkUnreadable("s3://shards/digits/train/chunk-0-3.bin: GenericError: refused")
+    try:  # a reader whose connection failed, chained implicitly: its error raised inside `except OSError`
+        try:
+            raise ConnectionResetError("peer reset")
+        except OSError:
+            raise RuntimeError("reader failed")  # noqa: B904
+    except RuntimeError as implicitly:
+        failures["implicit"] = implicitly
     said = {}
     for name, failure in failures.items():
 
@@ -307,6 +314,7 @@ def test_a_record_the_store_cannot_give_is_a_user_error_and_a_bug_keeps_its_type
             " GenericError: refused",
         ),
         "disk": ("UserError", "cannot read record 3 of s3://shards/digits/train: FileNotFoundError: chunk-0-3.bin"),
+        "implicit": ("UserError", "cannot read record 3 of s3://shards/digits/train: RuntimeError: reader failed"),
         "bug": ("KeyError", "'image'"),  # not the data's fault: raised as it is, with its traceback
     }
 

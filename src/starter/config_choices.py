@@ -45,7 +45,7 @@ def config_folders(conf: Path, config_name: str, config_dir: str | None, overrid
     folders = [conf] + ([Path(config_dir)] if config_dir else [])
     paths = [str(p) for o in overrides if o.key_or_group == "hydra.searchpath" for p in o.value()]
     for primary in (conf / f"{config_name}.yaml", conf / "hydra" / "default.yaml"):
-        saved = OmegaConf.load(primary) if primary.is_file() else {}
+        saved = OmegaConf.load(primary) if primary.is_file() else OmegaConf.create()
         paths += list(OmegaConf.select(saved, "hydra.searchpath") or OmegaConf.select(saved, "searchpath") or [])
     return folders + [folder for folder in map(source_folder, paths) if folder is not None]
 
