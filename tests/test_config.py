@@ -415,6 +415,6 @@ def test_ckpt_path_last_names_the_newest_run_for_training_predict_export_and_loa
             os.utime(entry, (1e9 - age * 1000, 1e9 - age * 1000))
     newest = runs / "b-newest" / "checkpoints"
     assert checkpoint_named("last", tmp_path / "logs") == newest / "model.pt"  # predict.py, export.py, load_module
-    cfg = OmegaConf.create({"ckpt_path": "last", "task_name": "train",
-                            "paths": {"log_dir": str(tmp_path / "logs"), "output_dir": str(tmp_path / "new")}})  # fmt: skip
+    paths = {"log_dir": str(tmp_path / "logs"), "output_dir": str(tmp_path / "new")}
+    cfg = OmegaConf.create({"ckpt_path": "last", "task_name": "train", "paths": paths})
     assert resolve_ckpt_path(cfg) == newest / "last.ckpt"  # train.py's resume
