@@ -1,6 +1,8 @@
-"""What a run resumed mid-epoch trains next, said once: a DataModule that shards itself (ShardedDataModule) continues
-with the next batch; Lightning gives any other DataModule's loaders a fresh iterator, so the interrupted epoch's
-batches start again from its first (each sample of the epoch is not seen exactly once)."""
+"""What a resumed run trains next, said once: at another number of processes than the checkpoint's (a torchrun
+restart after a node was lost: `continuing at 1 process (was 2) from step 57`); mid-epoch, a DataModule that shards
+itself (ShardedDataModule) continues with the next batch, each sample of the epoch once at any number of processes;
+Lightning gives any other DataModule's loaders a fresh iterator, so the interrupted epoch's batches start again from
+its first (each sample of the epoch is not seen exactly once)."""
 
 import logging
 
@@ -10,7 +12,23 @@ log = logging.getLogger(__name__)
 
 
 class MidEpochResume(L.Callback):
+    def __init__(self):
+        self.world, self.saved_world = 1, None  # this run's number of processes; the checkpoint's, where resumed
+
+    def state_dict(self) -> dict:
+        return {"world": self.world}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.saved_world = state_dict.get("world")  # None in a checkpoint that says nothing of it
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.world = trainer.world_size
+
     def on_train_start(self, trainer, pl_module) -> None:  # after Lightning restored the checkpoint's loops
+        saved, self.saved_world = self.saved_world, None
+        if saved not in (None, trainer.world_size) and trainer.is_global_zero:
+            processes = f"{trainer.world_size} process{'es' if trainer.world_size > 1 else ''}"
+            log.info("continuing at %s (was %d) from step %d", processes, saved, trainer.global_step)
         trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if trainer.ckpt_path is None or trained == 0 or getattr(trainer.datamodule, "shards_itself", False):
             return

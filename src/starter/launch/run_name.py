@@ -17,9 +17,8 @@ KEY = "starter/run_name"
 def run_name(num_nodes: int = 1) -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
     if (run_id := torchrun_id()) is not None:
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            return stamp
-        # One name per torchrun job: its restarts (--max-restarts) continue the same directory (ckpt_path=auto).
+        # One name per torchrun job: its restarts (--max-restarts) continue the same directory (ckpt_path=auto), also
+        # those of an elastic job at another number of processes (one left after a node was lost: --nnodes=1:2).
         from starter.launch.watchdog import client  # torch: only when several processes must agree
 
         store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's

@@ -24,6 +24,7 @@ from pathlib import Path
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line
 from starter.launch.environment import cluster_environment
+from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
 from starter.topology import key_prefix
 
@@ -123,6 +124,7 @@ class Watchdog:
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
+        self.lifeline: Lifeline | None = None  # held by the beat thread (launch/lifeline.py)
         threading.Thread(target=self._beat, name="watchdog", daemon=True).start()
         threading.Thread(target=self._time_the_store, name="watchdog-timer", daemon=True).start()
 
@@ -192,6 +194,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.lifeline is not None:  # its peers read "bye": this process leaves on its own
+            self.lifeline.close()
         self._launcher_is_gone()  # said here where another rank saw it first and the run stopped before this beat
 
     def _beat(self) -> None:
@@ -201,8 +205,9 @@ class Watchdog:
         stall = Stall(self.stall_timeout_s, partial(where, ranks_per_node=self.ranks_per_node))  # judged by rank 0
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
         relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
+        closed: dict[int, float] = {}  # rank: when its lifeline closed without a word
         while not self.stopping.wait(wait):
-            wait = self.interval
+            wait = self.interval if not closed else 0.5
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
                 os.kill(os.getpid(), self.stop_signal)
             try:
@@ -217,6 +222,16 @@ class Watchdog:
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()
+                if self.lifeline is None and Lifeline.ready(store, prefix, self.rank):
+                    self.lifeline = Lifeline(store, prefix, self.address, self.rank)
+                for rank in self.lifeline.gone() if self.lifeline is not None else []:
+                    closed.setdefault(rank, now)
+                # a closed lifeline is named after a second, where nothing else has said why (a launcher names a
+                # worker a signal killed, a failing process reports itself)
+                if (lost := [rank for rank, at in closed.items() if now - at >= 1.0]) and not self.stopping.is_set():
+                    line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
+                    report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops")
+                    self._leave(failure(store)[0])
                 if self.rank == 0 and (line := stall.check(read_progress(store, prefix, self.world), now)):
                     report(store, LOST_EXIT_CODE, line)
                     self._leave(failure(store)[0])
