@@ -9,12 +9,14 @@ import sys
 import time
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import (
     MLP_20_STEPS,
     QUIET,
     ROOT,
+    descendants,
     free_port,
     max_difference,
     model_weights,
@@ -67,6 +69,50 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     restarted, whole = (model_weights(d) for d in (run_dir, reference_dir))
     assert reference.returncode == 0 and restarted.keys() == whole.keys()
     assert max((restarted[k].float() - whole[k].float()).abs().max().item() for k in whole) <= 1e-6
+
+
+def lines_as_they_come(stream) -> list[tuple[float, str]]:
+    """(monotonic time, line) of each line `stream` gives, read by a thread until it closes."""
+    import threading
+
+    lines = []
+    threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in stream), daemon=True).start()
+    return lines
+
+
+def test_an_elastic_job_that_loses_a_node_names_it_in_seconds_and_goes_on_at_one_process_in_the_same_run(tmp_path):
+    # torchrun --nnodes=1:2: two agents of one process each; node B's agent and worker SIGKILLed (its kernel panics)
+    port = free_port()
+    node = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", "--rdzv-conf=last_call_timeout=5", str(ROOT / "train.py"), "strategy=ddp",
+            "accelerator=cpu", "ckpt_path=auto", "trainer.max_epochs=6", "trainer.limit_train_batches=5",
+            "trainer.limit_val_batches=2", "test=false",
+            f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    a = subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # node A serves the rendezvous; a round waits 5 s for more nodes once one has come (not 30)
+    b = subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with reaped(a, b):
+        said = lines_as_they_come(a.stderr)
+        last = wait_for_checkpoint(tmp_path, a, epochs=1)
+        assert b.poll() is None  # node B still training
+        for pid in [b.pid, *descendants(b.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        killed_at, saved = time.monotonic(), torch.load(last, weights_only=True)["global_step"]
+        out, _ = a.communicate(timeout=240)
+    assert a.returncode == 0, "".join(line for _, line in said[-60:])
+    (at, line), *_ = [(t, line) for t, line in said if line.startswith("error:")]
+    assert (
+        re.fullmatch(
+            r"error: rank \d \(node \d\) is gone: its connection closed \(killed, or its node lost\); every"
+            r" process of the run stops\n",
+            line,
+        )
+        and at - killed_at < 10
+    ), (line, at - killed_at)
+    (run_dir,) = run_dirs(tmp_path)  # the restart at one process continued the run's directory, from its last.ckpt
+    (step,) = map(int, re.findall(r"continuing at 1 process \(was 2\) from step (\d+)", out))
+    assert step >= saved and torch.load(last, weights_only=True)["epoch"] == 5 and (run_dir / "metrics.json").is_file()
+    print(f"node lost to its line: {at - killed_at:.1f} s")
 
 
 def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(tmp_path):

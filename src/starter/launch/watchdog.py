@@ -110,17 +110,19 @@ class Watchdog:
         serves_store: bool = False,
         launcher_pid: int | None = None,
         stop_signal: int = signal.SIGTERM,
+        launcher: str | None = "train.py",
     ):
-        """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the train.py whose
-        agent started this process, which it outlives only to save and stop (`stop_signal`); without one (torchrun,
-        srun) nothing else would kill a stopped rank, so the watchdog that names it does."""
+        """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the process that
+        started this one (`launcher`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
+        and stop (`stop_signal`). Where train.py's agent is not the launcher (torchrun, srun), nothing else would kill a
+        stopped rank, so the watchdog that names it does."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall_timeout_s = float(stall_timeout_s)
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
-        self.store_holder, self.kills_stopped_peers = store_holder, launcher_pid is None
+        self.store_holder, self.launcher, self.kills_stopped_peers = store_holder, launcher, launcher != "train.py"
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
@@ -150,8 +152,9 @@ class Watchdog:
             if interrupted():  # Ctrl-C broke it on its way out (errors.catch_ctrl_c); said by train.py
                 raise SystemExit(INTERRUPTED_EXIT_CODE) from None
             # A broken collective is seldom the cause: a peer's failure is, reported by the peer or, for a peer a
-            # signal ended, by its launcher; a store gone with its holder (rank 0 killed) is said by the launcher.
-            if found := self.failure(wait_s=5) or self._peer_lost():
+            # signal ended, by its launcher, or by a watchdog whose lifeline to it closed (within a beat and a
+            # second); a store gone with its holder (rank 0 killed) is said by the launcher.
+            if found := self.failure(wait_s=self.interval + 3):
                 raise SystemExit(found[0]) from None
             traceback.print_exc()
             self.report(1, f"{type(err).__name__}: {one_line(err)}")
@@ -174,24 +177,6 @@ class Watchdog:
                 return None if reached or not wait_s else (1, "the run's store is gone", 0)
             time.sleep(0.2)
 
-    def _peer_lost(self) -> tuple[int, str, int] | None:
-        """After an exception nobody reported: a failure reported meanwhile, or None once every other rank has beaten
-        again (the exception is this process's own). A peer that died without a word is named after `timeout_s`."""
-        try:
-            store = client(self.address, self.port, timeout_s=2)
-            keys = [f"{key_prefix()}/beat/{rank}" for rank in range(self.world) if rank != self.rank]
-            before = [store.add(key, 0) for key in keys]
-            deadline = time.monotonic() + self.timeout_s + 2 * self.interval
-            while time.monotonic() < deadline:
-                if found := failure(store):
-                    return found
-                if all(store.add(key, 0) != count for key, count in zip(keys, before)):
-                    return None
-                time.sleep(0.2)
-        except Exception:  # the store is gone: the failure() before this one said so
-            pass
-        return None
-
     def stop(self) -> None:
         self.stopping.set()
         if self.lifeline is not None:  # its peers read "bye": this process leaves on its own
@@ -205,11 +190,18 @@ class Watchdog:
         stall = Stall(self.stall_timeout_s, partial(where, ranks_per_node=self.ranks_per_node))  # judged by rank 0
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
         relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
-        closed: dict[int, float] = {}  # rank: when its lifeline closed without a word
-        while not self.stopping.wait(wait):
-            wait = self.interval if not closed else 0.5
+        while not self.stopping.is_set():
+            (self.lifeline or self.stopping).wait(wait)  # a lifeline wakes the beat at once where a peer's closes
+            if self.stopping.is_set():
+                break
+            wait = self.interval
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
                 os.kill(os.getpid(), self.stop_signal)
+            lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
+            if lost and not self.stopping.wait(1.0):  # a second for a launcher, or the process itself, to say why
+                line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
+                report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops")
+                self._leave((failure(store) or (LOST_EXIT_CODE,))[0])
             try:
                 if store is None:
                     store = client(self.address, self.port, self.timeout_s)
@@ -222,16 +214,8 @@ class Watchdog:
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()
-                if self.lifeline is None and Lifeline.ready(store, prefix, self.rank):
+                if self.lifeline is None and (self.rank == 0 or store.check([f"{prefix}/lifeline"])):
                     self.lifeline = Lifeline(store, prefix, self.address, self.rank)
-                for rank in self.lifeline.gone() if self.lifeline is not None else []:
-                    closed.setdefault(rank, now)
-                # a closed lifeline is named after a second, where nothing else has said why (a launcher names a
-                # worker a signal killed, a failing process reports itself)
-                if (lost := [rank for rank, at in closed.items() if now - at >= 1.0]) and not self.stopping.is_set():
-                    line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
-                    report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops")
-                    self._leave(failure(store)[0])
                 if self.rank == 0 and (line := stall.check(read_progress(store, prefix, self.world), now)):
                     report(store, LOST_EXIT_CODE, line)
                     self._leave(failure(store)[0])
@@ -275,7 +259,7 @@ class Watchdog:
         if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
             print(
-                f"error: node {node}'s launcher (train.py, pid {pid}) is gone; its workers save"
+                f"error: node {node}'s launcher ({self.launcher}, pid {pid}) is gone; its workers save"
                 " checkpoints/last.ckpt and stop",
                 file=sys.stderr,
                 flush=True,
@@ -356,6 +340,8 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
         stall_timeout_s,
         store_holder="rank 0 (node 0)",
         serves_store=served is not None,
+        launcher_pid=os.getppid() if launcher == "torchrun" else None,  # its node's agent: it stops if that is gone
+        launcher="torchrun's agent" if launcher == "torchrun" else None,
     )
     watchdog.served = served  # held for as long as this process runs
     return watchdog
