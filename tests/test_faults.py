@@ -103,11 +103,20 @@ def test_sigkill_of_one_ddp_rank_ends_the_run_and_it_resumes_from_the_last_check
     assert len(resumed) == 1 and read_metrics(resumed[0])["test/acc"] > 0.9
 
 
+def test_checkpoint_every_n_steps_bounds_the_steps_a_kill_costs(tmp_path):
+    train(
+        tmp_path, "checkpoint_every_n_steps=4", "trainer.max_epochs=1", "trainer.limit_train_batches=10", "test=false"
+    )
+    (run_dir,) = run_dirs(tmp_path)
+    # 10 steps: last.ckpt at steps 4 and 8, none at the epoch's end (a kill at step 11 would cost 3)
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+
+
 def test_sigkill_during_a_sharded_fsdp_save_leaves_a_whole_checkpoint(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     proc = start(tmp_path, "strategy=fsdp", "devices=2", "accelerator=cpu", "trainer.max_epochs=1000",
-                 "+callbacks.last_checkpoint.every_n_train_steps=1")  # fmt: skip
+                 "checkpoint_every_n_steps=1")  # fmt: skip
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("logs/train/runs/*/checkpoints/last.ckpt")):
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"

@@ -83,10 +83,11 @@ def lines_as_they_come(stream) -> list[tuple[float, str]]:
 def test_an_elastic_job_that_loses_a_node_names_it_in_seconds_and_goes_on_at_one_process_in_the_same_run(tmp_path):
     # torchrun --nnodes=1:2: two agents of one process each; node B's agent and worker SIGKILLed (its kernel panics)
     port = free_port()
-    node = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", "--rdzv-conf=last_call_timeout=5", str(ROOT / "train.py"), "strategy=ddp",
-            "accelerator=cpu", "ckpt_path=auto", "trainer.max_epochs=6", "trainer.limit_train_batches=5",
-            "trainer.limit_val_batches=2", "test=false",
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+                  "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
+    node = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", *rendezvous, str(ROOT / "train.py"),
+            "strategy=ddp", "accelerator=cpu", "ckpt_path=auto", "trainer.max_epochs=6",
+            "trainer.limit_train_batches=5", "trainer.limit_val_batches=2", "test=false",
             f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
     a = subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # node A serves the rendezvous; a round waits 5 s for more nodes once one has come (not 30)

@@ -20,6 +20,7 @@ SCHEMA = {
     "heartbeat_timeout_s": "number > 0",
     "stall_timeout_s": "number > 0",
     "stop_grace_s": "number > 0",
+    "checkpoint_every_n_steps": "int >= 1 or null",
     "nodes_wait_s": "number > 0",
     "train": "bool",
     "test": "bool",
