@@ -81,7 +81,10 @@ def lines_as_they_come(stream) -> list[tuple[float, str]]:
 
 
 def test_an_elastic_job_that_loses_a_node_names_it_in_seconds_and_goes_on_at_one_process_in_the_same_run(tmp_path):
-    # torchrun --nnodes=1:2: two agents of one process each; node B's agent and worker SIGKILLed (its kernel panics)
+    # torchrun --nnodes=1:2: two agents of one process each; node B's agent and worker SIGKILLed (its kernel panics).
+    # A round waits 5 s for more nodes once one has come (last_call_timeout; 30 s by default).
+    from starter.launch.watchdog import listening
+
     port = free_port()
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
                   "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
@@ -90,7 +93,9 @@ def test_an_elastic_job_that_loses_a_node_names_it_in_seconds_and_goes_on_at_one
             "trainer.limit_train_batches=5", "trainer.limit_val_batches=2", "test=false",
             f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
     a = subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # node A serves the rendezvous; a round waits 5 s for more nodes once one has come (not 30)
+    while not listening("127.0.0.1", port):  # node A serves the rendezvous (a node that stays: the c10d store's host)
+        assert a.poll() is None
+        time.sleep(0.1)
     b = subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with reaped(a, b):
         said = lines_as_they_come(a.stderr)

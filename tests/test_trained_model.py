@@ -256,13 +256,25 @@ def test_a_record_whose_arguments_fetch_or_read_rebuilds_the_model_without_them(
     assert asked == [] and not (tmp_path / "author").exists()
 
 
+def test_a_record_key_no_model_config_declares_is_left_out_and_said(tmp_path, caplog):
+    from starter import load_module
+
+    path = weights_file(tmp_path, "mlp")  # trained with +model.optimizer.foreach=true, say: inference needs it not
+    saved = torch.load(path, weights_only=True)
+    saved["inference"]["model"]["optimizer"]["foreach"] = True
+    torch.save(saved, path)
+    with caplog.at_level("INFO"):
+        load_module(path)
+    assert f"ckpt_path={path}: its inference record's model.optimizer.foreach is declared by no model config here" \
+        in caplog.text  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "where,value,said",
     [
         ("model_name", "hf-hub:author/model", "sets model.net.model_name='hf-hub:author/model', which is no plain"),
         ("model_name", 5, "sets model.net.model_name=5, which is no plain value of the type declared there"),
         ("num_classes", {"_target_": "builtins.int"}, "names 'builtins.int', which no model config here names"),
-        ("drop_path_rate", 0.1, "sets model.net.drop_path_rate, which no model config here declares"),
         ("_args_", [1], "sets model.net._args_, which no model config here declares"),
         ("_recursive_", False, "sets model.net._recursive_, which no model config here declares"),
     ],

@@ -6,9 +6,10 @@ or resolved (docs/guarantees.md names each reader and what it accepts).
 Where a file's content becomes config (a checkpoint's inference record rebuilding its model), it is rebuilt here from
 what the model configs of *this* checkout declare: a `_target_` (and `_partial_`, `_convert_`, `_recursive_`) only
 as a config here declares it at that place; other keys only where a config declares them, each a plain value (no
-interpolation, no URL or path); `_args_` never. What fetches or reads weights is switched off: the checkpoint's own
-weights are loaded after the build."""
+interpolation, no URL or path), a key no config declares left out (said in the log); `_args_` never. What fetches or
+reads weights is switched off: the checkpoint's own weights are loaded after the build."""
 
+import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from starter.config_choices import source_folder
 from starter.errors import UserError
 
+log = logging.getLogger(__name__)
 SPECIAL = ("_target_", "_partial_", "_convert_", "_recursive_")  # taken as a config here declares them
 OFF = {"pretrained": False, "weights": None}  # a builder that would fetch weights builds without them
 READS = {"cache_dir", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "pretrained_cfg_overlay_file"}
@@ -77,8 +79,10 @@ def _rebuilt(node: dict, place: tuple, declared: dict, named: str) -> dict:
             continue
         elif key in SPECIAL and value in declared.get(here, ()) and type(value) in SCALARS:
             config[key] = value
-        elif not isinstance(key, str) or here not in declared or key in SPECIAL or key == "_args_":
+        elif not isinstance(key, str) or key in SPECIAL or key == "_args_":
             raise UserError(f"{named}: its inference record sets {shown}, which no model config here declares; {ONLY}")
+        elif here not in declared:  # e.g. +model.optimizer.foreach=true at training: a setting inference needs not
+            log.info("%s: its inference record's %s is declared by no model config here: left out", named, shown)
         elif isinstance(value, dict) and MAPPING in declared[here]:
             config[key] = _rebuilt(value, here, declared, named)
         elif plain(value) and not _located(value) and _of_declared_type(value, declared[here]):

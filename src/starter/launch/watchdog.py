@@ -327,7 +327,7 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     """The watchdog of a rank torchrun or srun started. Rank 0 serves the run's store and every rank is its client
     in init_process_group too (torch's agent-store contract), so a rank that fails before the group exists is seen."""
     store = _torchrun_store if launcher == "torchrun" else partial(_scheduler_store, launcher)
-    rank, world, address, port, served = store(timeout_s)
+    rank, world, address, port, served = store(max(timeout_s, STARTUP_S))  # rank 0 may start slower
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     watchdog = Watchdog(
