@@ -40,9 +40,9 @@ def declared_models(config_dirs) -> dict[tuple, list]:
     give there, MAPPING for a mapping. Experiments' `model:` blocks declare too (they patch a model config)."""
     declared: dict[tuple, list] = {}
     for folder in map(Path, config_dirs):
-        for config in _yaml_files(folder / "model"):
+        for config in sorted((folder / "model").rglob("*.yaml")):
             _declare(_yaml(config), (), declared)
-        for experiment in _yaml_files(folder / "experiment"):
+        for experiment in sorted((folder / "experiment").rglob("*.yaml")):
             if isinstance(model := _yaml(experiment).get("model"), dict):
                 _declare(model, (), declared)
     return declared
@@ -151,15 +151,6 @@ def _targets(node, place: tuple):
 def _yaml(path: Path) -> dict:
     config = OmegaConf.to_container(OmegaConf.create(path.read_text()))
     return config if isinstance(config, dict) else {}
-
-
-def _yaml_files(folder: Path):
-    if folder.is_dir():
-        for entry in sorted(folder.iterdir()):
-            if entry.is_dir():
-                yield from _yaml_files(entry)
-            elif entry.name.endswith(".yaml"):
-                yield entry
 
 
 def _nodes(node):

@@ -80,7 +80,8 @@ class OptunaJournalSweeper(Sweeper):
             study.sampler.reseed_rng()
         searched, fixed = search_space(self.params, arguments)
         for trial in study.trials:  # a journal is anyone's: its trials hold points of this space, and nothing else
-            check_trial(trial.number, planned(trial), searched, storage)
+            # (a waiting trial's fixed params too: Optuna hands them to the job even outside the space, with a warning)
+            check_trial(trial.number, {**trial.system_attrs.get("fixed_params", {}), **trial.params}, searched, storage)
         done = [t for t in study.trials if t.state.name in FINISHED]  # those of an earlier sweep of this journal too
         while len(done) < self.n_trials:
             batch = [study.ask(searched) for _ in range(min(self.n_jobs, self.n_trials - len(done)))]
@@ -142,12 +143,6 @@ def check_journal(path: Path) -> None:
             if not known and line.strip():
                 instead = "continue a sweep from the journal a sweep wrote, or give another hydra.sweep.dir"
                 refuse(f"{path}: line {number} is no Optuna journal operation; {instead}")
-
-
-def planned(trial) -> dict:
-    """The params a trial holds or, waiting, will be given: Optuna hands an enqueued trial's `fixed_params` to the
-    job even where they lie outside the space (with a warning)."""
-    return {**trial.system_attrs.get("fixed_params", {}), **trial.params}
 
 
 def check_trial(number: int, params: dict, searched: dict, storage: str) -> None:

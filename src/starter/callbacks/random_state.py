@@ -84,16 +84,11 @@ class RandomState(L.Callback):
                 "the checkpoint holds the random generators of %d processes (%s), this run has %d (%s): they start"
                 " from the seed (dropout and augmentation draw other numbers than the stopped run would have)",
                 len(saved["ranks"]),
-                shown_layout(places[0] if places else ()),
+                ", ".join(f"{name} {size}" for name, size, _ in (places[0] if places else ())) or "laid out unsaid",
                 trainer.world_size,
-                shown_layout(self.place),
+                ", ".join(f"{name} {size}" for name, size, _ in self.place),
             )
 
 
 def trainer_world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def shown_layout(place: tuple) -> str:
-    """`data_parallel 2, tensor_parallel 2`: the sizes of a place's dimensions."""
-    return ", ".join(f"{name} {size}" for name, size, _ in place) or "laid out unsaid"
