@@ -36,7 +36,7 @@ class Lifeline:
             except OSError:  # reset
                 data = b""
             if not data or b"bye" in data:  # gone, or left on its own: watched no more
-                del self.peers[rank]
+                self.peers.pop(rank, None)
                 peer.close()
                 closed += [] if data else [rank]
         return closed
@@ -50,13 +50,14 @@ class Lifeline:
             pass
 
     def close(self) -> None:
-        """This process leaves on its own: its peers are told, then its connections closed."""
-        for peer in self.peers.values():
+        """This process leaves on its own: its peers are told, then its connections closed (the main thread's call,
+        while the beat thread may read them: it works on a copy)."""
+        peers, self.peers = list(self.peers.values()), {}
+        for peer in peers:
             try:
                 peer.sendall(b"bye\n")
                 peer.close()
             except OSError:
                 pass
-        self.peers = {}
         if self.rank == 0:
             self.server.close()

@@ -110,10 +110,10 @@ class Watchdog:
         serves_store: bool = False,
         launcher_pid: int | None = None,
         stop_signal: int = signal.SIGTERM,
-        launcher: str | None = "train.py",
+        parent: str | None = "train.py",
     ):
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the process that
-        started this one (`launcher`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
+        started this one (`parent`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
         and stop (`stop_signal`). Where train.py's agent is not the launcher (torchrun, srun), nothing else would kill a
         stopped rank, so the watchdog that names it does."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
@@ -122,7 +122,7 @@ class Watchdog:
         self.boundaries = -1  # the main thread's count at the last beat
         self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
-        self.store_holder, self.launcher, self.kills_stopped_peers = store_holder, launcher, launcher != "train.py"
+        self.store_holder, self.parent, self.kills_stopped_peers = store_holder, parent, parent != "train.py"
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
         self.stopping = threading.Event()
@@ -259,7 +259,7 @@ class Watchdog:
         if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
             print(
-                f"error: node {node}'s launcher ({self.launcher}, pid {pid}) is gone; its workers save"
+                f"error: node {node}'s launcher ({self.parent}, pid {pid}) is gone; its workers save"
                 " checkpoints/last.ckpt and stop",
                 file=sys.stderr,
                 flush=True,
@@ -341,7 +341,7 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
         store_holder="rank 0 (node 0)",
         serves_store=served is not None,
         launcher_pid=os.getppid() if launcher == "torchrun" else None,  # its node's agent: it stops if that is gone
-        launcher="torchrun's agent" if launcher == "torchrun" else None,
+        parent="torchrun's agent" if launcher == "torchrun" else None,
     )
     watchdog.served = served  # held for as long as this process runs
     return watchdog
