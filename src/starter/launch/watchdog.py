@@ -194,7 +194,7 @@ class Watchdog:
             (self.lifeline or self.stopping).wait(wait)  # a lifeline wakes the beat at once where a peer's closes
             if self.stopping.is_set():
                 break
-            wait = self.interval
+            wait = self.interval if self.lifeline is not None else 0.5  # held from the first seconds of the run
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
                 os.kill(os.getpid(), self.stop_signal)
             lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
