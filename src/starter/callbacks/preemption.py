@@ -1,5 +1,5 @@
 """A stop signal (`stop_signals`) ends the run at any phase with exit 143 and one line saying what was saved
-(errors.stop_line). While training steps, every rank stops at the same step, one or two optimizer steps after it
+(stop_agreement.stop_line). While training steps, every rank stops at the same step, one or two optimizer steps after it
 arrives, with checkpoints/last.ckpt saved where a resume continues with the next batch. Before that (setup, the
 sanity check) and after (the final save, the test) it stops where it is: nothing new to save. The handler only
 records the request. Several processes agree on the step through the run's store (`StopAgreement`): nothing is read
