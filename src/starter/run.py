@@ -116,8 +116,8 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
 
 
 def stopped(cfg: DictConfig, trainer: L.Trainer, stops) -> None:
-    """Exit 143 with the run's one stop line (stop_agreement.stop_line), said by rank 0; under several processes it tells
-    the launcher so through the run's store, and the launcher says none of its own."""
+    """Exit 143 with the run's one stop line (stop_agreement.stop_line), said by rank 0; under several processes it
+    tells the launcher so through the run's store, and the launcher says none of its own."""
     if trainer.is_global_zero:
         cause = (stops and stops.received) or "a stop signal"
         phase, step = (stops.received_in, stops.saved_step) if stops is not None else (None, None)
