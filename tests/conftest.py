@@ -16,6 +16,12 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
+# Before numpy and torch load: a thread per process for OpenMP and BLAS. `make test` runs two test files at once on
+# the machine's cores, each starting runs of 1 to 4 processes, and an OpenMP thread spins while it waits for work:
+# more threads than cores made every run several times slower (tests/test_train.py twice at once on 2 cores: 270 s
+# with a thread per core, 78 s with one). train.py's launcher gives each worker this value (launch/agent.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
