@@ -76,6 +76,18 @@ class SlowSteps(L.Callback):
                 f.write(f"{trainer.global_step} {time.monotonic()}\n")
 
 
+class AloneAtFirst(L.Callback):
+    """In torchrun's first attempt of one process, each step takes `seconds` longer: that attempt lasts until another
+    node comes (its agent restarts it with the node), and later attempts train at full speed."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.world_size == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(self.seconds)
+
+
 class SlowSaves(L.Callback):
     """Every checkpoint saved after step `after` takes `seconds` longer to write, as a large model's does."""
 

@@ -387,6 +387,19 @@ def test_torchruns_restarts_key_the_runs_store_by_the_attempt_not_by_how_many_ma
     assert keys[0] != keys[1] and keys[1].endswith("/job/1")
 
 
+def test_torchrun_agents_that_share_no_store_name_the_run_after_the_job_as_one_path_component(monkeypatch):
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: no store outlives a restart to keep a time stamp in (docs/clusters.md)
+    from starter.launch.run_name import run_name
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 7/../x")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    run_name.cache_clear()
+    try:
+        assert run_name() == "torchrun-job_7_.._x"
+    finally:
+        run_name.cache_clear()
+
+
 def test_nodes_whose_own_directories_differ_run_one_config():
     from omegaconf import OmegaConf
 

@@ -183,7 +183,7 @@ def test_a_run_resumed_at_another_number_of_processes_and_workers_sees_each_rema
         said.append(leg.stdout + leg.stderr)
     # the random generators of another number of processes are not restored, and the run says so
     assert "the checkpoint holds the random generators of 2 processes (data_parallel 2), this run has 1" in said[1]
-    assert "the checkpoint holds the random generators of 1 processes (data_parallel 1), this run has 2" in said[2]
+    assert "the checkpoint holds the random generators of 1 process (data_parallel 1), this run has 2" in said[2]
     for epoch in range(3):  # the global batches of a straight run, whoever trained them
         assert epoch_ids(run_dir, epoch) == epoch_ids(straight_dir, epoch)
     assert max(epoch_ids(run_dir, 1).values()) == max(epoch_ids(straight_dir, 1).values())  # nothing seen twice more

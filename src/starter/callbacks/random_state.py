@@ -81,9 +81,10 @@ class RandomState(L.Callback):
             set_generator_states(saved["ranks"][places.index(self.place)])
         elif trainer.is_global_zero:
             log.warning(
-                "the checkpoint holds the random generators of %d processes (%s), this run has %d (%s): they start"
+                "the checkpoint holds the random generators of %d process%s (%s), this run has %d (%s): they start"
                 " from the seed (dropout and augmentation draw other numbers than the stopped run would have)",
                 len(saved["ranks"]),
+                "" if len(saved["ranks"]) == 1 else "es",
                 ", ".join(f"{name} {size}" for name, size, _ in (places[0] if places else ())) or "laid out unsaid",
                 trainer.world_size,
                 ", ".join(f"{name} {size}" for name, size, _ in self.place),

@@ -17,8 +17,9 @@ KEY = "starter/run_name"
 def run_name(num_nodes: int = 1) -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
     if (run_id := torchrun_id()) is not None:
-        # One name per torchrun job: its restarts (--max-restarts) continue the same directory (ckpt_path=auto), also
-        # those of an elastic job at another number of processes (one left after a node was lost: --nnodes=1:2).
+        # One name per torchrun job, kept by its restarts, at any size (--nnodes=1:2), for ckpt_path=auto to resume
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store outlives a restart: the job's id
+            return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
         from starter.launch.watchdog import client  # torch: only when several processes must agree
 
         store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's

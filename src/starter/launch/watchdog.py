@@ -348,9 +348,11 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
 
 
 def _torchrun_store(timeout_s: float):
-    """On a port the OS picks, told through torchrun's agent store: a fresh store per attempt, since the agent's
-    outlives a restart and a restarted gloo group would read the old attempt's addresses there."""
+    """A fresh store per attempt (a restarted gloo group would read the old one's addresses in the agent's): where the
+    agents share one, on a port the OS picks, told there; else (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) at MASTER_PORT."""
     rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _scheduler_store("torchrun", timeout_s)
     agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
     key = f"{key_prefix()}/store_port"
     served = serve_store(address) if rank == 0 else None
