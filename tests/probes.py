@@ -88,6 +88,40 @@ class AloneAtFirst(L.Callback):
             time.sleep(self.seconds)
 
 
+class StepsWhileWriting(L.Callback):
+    """A sharded checkpoint's shards (torch.distributed.checkpoint's FileSystemWriter) are written only once training
+    has made 2 more steps, or another save began, or training ended, or after 10 s: a save that held the step would
+    wait out the 10 s. Rank 0 writes "<step the write began at> <step when it went on>" to `output`, a line each."""
+
+    def __init__(self, output: str):
+        self.output, self.step, self.saves, self.ended = Path(output), 0, 0, False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write_data, probe, rank = FileSystemWriter.write_data, self, trainer.global_rank
+
+        def after_two_steps(writer, plan, planner):
+            began, saves, deadline = probe.step, probe.saves, time.monotonic() + 10
+            while probe.step < began + 2 and probe.saves == saves and not probe.ended and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if rank == 0:
+                with probe.output.open("a") as f:
+                    f.write(f"{began} {probe.step}\n")
+            return write_data(writer, plan, planner)
+
+        FileSystemWriter.write_data = after_two_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.step = trainer.global_step
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saves += 1  # the next save waits for this one's write (checkpoint names move in order)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.ended = True
+
+
 class SlowSaves(L.Callback):
     """Every checkpoint saved after step `after` takes `seconds` longer to write, as a large model's does."""
 

@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, Planted, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
+from conftest import PROBES, ROOT, Planted, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
 from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -28,9 +28,24 @@ def short_runs(tmp_path_factory):
     runs = {}
     for strategy in ("ddp", "fsdp"):
         tmp_path = tmp_path_factory.mktemp(strategy)
-        train(tmp_path, f"strategy={strategy}", *SHORT)
+        train(tmp_path, f"strategy={strategy}", *SHORT, *STEPS_WHILE_WRITING, env=PROBES)
         (runs[strategy],) = run_dirs(tmp_path)
     return runs
+
+
+STEPS_WHILE_WRITING = ["+callbacks.writing._target_=probes.StepsWhileWriting",
+                       "+callbacks.writing.output=${paths.output_dir}/writes"]  # fmt: skip
+
+
+def test_fsdp_writes_its_sharded_checkpoints_while_training_goes_on(short_runs):
+    # strategy.async_save (the default): each epoch's best.ckpt and last.ckpt are copied to memory at the epoch's end
+    # and written by a thread; the probe holds a write until training has made 2 more steps (or the next save begins),
+    # which a save that held the step would never see (it would wait 10 s, then write at the step it began)
+    writes = [tuple(map(int, line.split())) for line in (short_runs["fsdp"] / "writes").read_text().splitlines()]
+    assert len(writes) >= 4 and sum(went_on >= began + 2 for began, went_on in writes) >= 3, writes
+    last = short_runs["fsdp"] / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and (last / ".metadata").is_file()
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 20  # the final save, named at the end
 
 
 def test_a_sharded_checkpoint_is_repointed_in_one_rename_and_older_versions_go(tmp_path):

@@ -67,6 +67,7 @@ SCHEMA = {
     "strategy.tensor_parallel_size": "int >= 1 or null",
     "strategy.pipeline_parallel_size": "int >= 1 or null",
     "strategy.microbatches": "int >= 1",
+    "strategy.async_save": "bool",
     "callbacks.freeze_backbone.epochs": "int >= 0",
 }
 KINDS = {"int": "a whole number", "number": "a number", "bool": "true or false"}

@@ -3,7 +3,9 @@
 mesh and nothing on top. Checkpoints are sharded directories (torch.distributed.checkpoint), each save a new one that
 `last.ckpt`/`best.ckpt` symlinks then point at atomically."""
 
+import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -16,12 +18,14 @@ from torch import nn
 from starter.checkpointing.resume import is_sharded, refusing_pickled_code
 from starter.checkpointing.sharded import point_atomically
 from starter.checkpointing.sharded_read import read_sharded
-from starter.errors import UserError
+from starter.errors import UserError, one_line
 from starter.topology import Layout
+
+log = logging.getLogger(__name__)
 
 
 class OutsideModelParallel(ModelParallelStrategy):
-    def __init__(self, layout: Layout, save_distributed_checkpoint: bool = True, **kwargs):
+    def __init__(self, layout: Layout, save_distributed_checkpoint: bool = True, async_save: bool = True, **kwargs):
         # Lightning's device mesh: (data parallel, tensor parallel), their product the world size (a pipeline's
         # stages count as data parallel to it; a pipelined strategy meshes its processes itself)
         tensor_parallel = layout.tensor_parallel
@@ -33,6 +37,7 @@ class OutsideModelParallel(ModelParallelStrategy):
         )
         self.layout = layout  # the process sizes (topology.py), computed once before launch
         self.sharded_checkpoints = save_distributed_checkpoint
+        self.async_save, self.saving, self.saving_group = async_save and save_distributed_checkpoint, None, None
         self.parallelized = False  # fit, then test in the same process: parallelize once
 
     def parallelize(self, module: nn.Module) -> None:
@@ -82,20 +87,49 @@ class OutsideModelParallel(ModelParallelStrategy):
         return get_model_state_dict(self.lightning_module, options=options)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix."""
+        """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix. With
+        `async_save`, the shards are copied to memory and a thread writes them while training goes on; `filepath`
+        moves once every rank's are written, at the next save or load, or when the stage ends."""
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.finish_saving()
         link = Path(filepath)
         version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
-        super().save_checkpoint(checkpoint, link.parent / version, storage_options)
-        self.barrier()  # every shard written
+        if not self.async_save:
+            super().save_checkpoint(checkpoint, link.parent / version, storage_options)
+            self.barrier()  # every shard written
+            if self.is_global_zero:
+                point_atomically(link, version)
+            return self.barrier()
+        from torch.distributed import new_group
+        from torch.distributed.checkpoint import async_save
+
+        (link.parent / version).mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.is_global_zero:
-            point_atomically(link, version)
-        self.barrier()
+            torch.save(checkpoint, link.parent / version / "meta.pt")  # the rest, as Lightning writes it
+        # a group of its own: the writing thread's collectives must not interleave with training's (and need gloo)
+        self.saving_group = self.saving_group or new_group(backend="gloo")
+        written = async_save(state, checkpoint_id=link.parent / version, process_group=self.saving_group)
+        self.saving = (written, link, version)
+
+    def finish_saving(self) -> None:
+        """Wait for the checkpoint being written, then point its name at it (rank 0's writing ends last: DCP's
+        coordinator writes `.metadata` once every rank's shards are written)."""
+        saving, self.saving = self.saving, None
+        if saving is not None:
+            written, link, version = saving
+            written.result()
+            if self.is_global_zero:
+                point_atomically(link, version)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Lightning's reading of a sharded checkpoint (the model's shards, each optimizer's, then meta.pt: the rest),
         through a reader that takes data only (checkpointing/sharded_read.py); a whole file is Lightning's."""
+        if self.saving is not None:
+            self.finish_saving()
+            self.barrier()  # the name points at what was written last, on every rank
         with refusing_pickled_code(checkpoint_path):
             return self._load_checkpoint(Path(self.broadcast(checkpoint_path)))
 
@@ -118,6 +152,17 @@ class OutsideModelParallel(ModelParallelStrategy):
             read_sharded(state, path)
             set_optimizer_state_dict(self.model, optimizer, state[key], options=StateDictOptions(cpu_offload=True))
         return torch.load(path / "meta.pt", weights_only=True)
+
+    def teardown(self) -> None:
+        failing = sys.exc_info()[1]  # torn down on the way out of an error: that one is the run's to say
+        try:
+            self.finish_saving()
+        except Exception as err:
+            if failing is None:
+                raise
+            log.warning("the checkpoint being written as the run failed is left unnamed: %s", one_line(err))
+        finally:
+            super().teardown()
 
     def remove_checkpoint(self, filepath) -> None:
         link = Path(filepath)
