@@ -320,10 +320,18 @@ def test_every_stop_signal_the_launcher_gets_reaches_every_worker(tmp_path):
         assert said in out.stdout, out.stdout
 
 
-def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_stop(tmp_path):
-    # A SIGKILLed launcher (kill -9, the OOM killer) can neither forward a signal nor collect its workers, which
-    # would train on with nobody to stop them: each sees it gone and stops as on SIGTERM, every rank at one step.
-    proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=8")
+@pytest.mark.parametrize("launcher", ["train.py", "torchrun's agent"])
+def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_stop(launcher, tmp_path):
+    # A SIGKILLed launcher (kill -9, the OOM killer; torchrun's agent alone on a node) can neither forward a signal
+    # nor collect its workers, which would train on with nobody to stop them: each sees it gone and stops as on
+    # SIGTERM, every rank at one step.
+    if launcher == "train.py":
+        proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=8")
+    else:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+        command = [*torchrun, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *LONG_DDP[:1],
+                   *LONG_DDP[2:], "heartbeat_timeout_s=8"]  # fmt: skip
+        proc = Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True)
     last = wait_for_checkpoint(tmp_path, proc, epochs=1)
     before = torch.load(last, weights_only=True)["global_step"]
     workers = [worker_of_rank(proc, rank) for rank in (0, 1)]
@@ -331,8 +339,8 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=60)  # the workers write to the same pipes: read until the last has closed them
     assert time.monotonic() - killed_at < 30 and all(gone(pid) for pid in workers)
-    said = f"error: node 0's launcher (train.py, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt and" \
-           " stop"  # fmt: skip
+    said = f"error: node 0's launcher ({launcher}, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt" \
+           " and stop"  # fmt: skip
     saved = torch.load(last, weights_only=True)["global_step"]
     # each once, by local rank 0: the watchdog's, and the stop's (its watchdog sent it SIGTERM, or the collective of
     # a logging step told it another rank's)
