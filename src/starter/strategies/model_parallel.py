@@ -110,7 +110,8 @@ class OutsideModelParallel(ModelParallelStrategy):
         if self.is_global_zero:
             torch.save(checkpoint, link.parent / version / "meta.pt")  # the rest, as Lightning writes it
         # a group of its own: the writing thread's collectives must not interleave with training's (and need gloo)
-        self.saving_group = self.saving_group or new_group(backend="gloo")
+        if self.saving_group is None:
+            self.saving_group = new_group(backend="gloo")
         written = async_save(state, checkpoint_id=link.parent / version, process_group=self.saving_group)
         self.saving = (written, link, version)
 
