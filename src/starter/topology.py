@@ -180,6 +180,12 @@ def torchrun_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
+def torchrun_agents_share_their_store() -> bool:
+    """Whether torchrun's agents give their workers a store that outlives a restart (torch's default); with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 they do not, and each attempt has a fresh MASTER_PORT (docs/clusters.md)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _check_processes(cfg: DictConfig, traits: Traits) -> None:
     """A strategy of one process runs on one node, and on one device unless it drives them all (dp, on GPUs)."""
     name, devices = cfg.strategy.name, device_count(cfg.devices)

@@ -8,7 +8,7 @@ from datetime import datetime
 from functools import cache
 
 from starter.launch.environment import slurm_tasks
-from starter.topology import node_rank, nodes_given, torchrun_id
+from starter.topology import node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
 KEY = "starter/run_name"
 
@@ -18,7 +18,7 @@ def run_name(num_nodes: int = 1) -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
     if (run_id := torchrun_id()) is not None:
         # One name per torchrun job, kept by its restarts, at any size (--nnodes=1:2), for ckpt_path=auto to resume
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store outlives a restart: the job's id
+        if not torchrun_agents_share_their_store():  # no store outlives a restart to keep a stamp: the job's id
             return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
         from starter.launch.watchdog import client  # torch: only when several processes must agree
 

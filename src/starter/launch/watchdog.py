@@ -26,7 +26,7 @@ from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, int
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
-from starter.topology import key_prefix
+from starter.topology import key_prefix, torchrun_agents_share_their_store
 
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
 
@@ -350,9 +350,9 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
 def _torchrun_store(timeout_s: float):
     """A fresh store per attempt (a restarted gloo group would read the old one's addresses in the agent's): where the
     agents share one, on a port the OS picks, told there; else (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) at MASTER_PORT."""
-    rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not torchrun_agents_share_their_store():
         return _scheduler_store("torchrun", timeout_s)
+    rank, world, address = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"]
     agent = client(address, int(os.environ["MASTER_PORT"]), timeout_s)
     key = f"{key_prefix()}/store_port"
     served = serve_store(address) if rank == 0 else None
