@@ -32,7 +32,7 @@ from conftest import (
     worker_of_rank,
 )
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
-from starter.launch.watchdog import gone
+from starter.launch.watchdog import gone, process_state
 
 pytestmark = pytest.mark.slow
 
@@ -338,7 +338,9 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     proc.kill()
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=60)  # the workers write to the same pipes: read until the last has closed them
-    assert time.monotonic() - killed_at < 30 and all(gone(pid) for pid in workers)
+    while not all(gone(pid) for pid in workers) and time.monotonic() - killed_at < 30:
+        time.sleep(0.05)  # a process closes its pipes a moment before it has ended
+    assert all(gone(pid) for pid in workers), [(pid, process_state(pid)) for pid in workers]
     said = f"error: node 0's launcher ({launcher}, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt" \
            " and stop"  # fmt: skip
     saved = torch.load(last, weights_only=True)["global_step"]
