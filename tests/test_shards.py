@@ -507,13 +507,14 @@ def test_the_store_going_away_mid_epoch_stops_the_run_naming_it_and_keeps_last_c
         # workers had fetched every one before step 22 in 1 of 4 tries, the run then ending well)
         before = store.gets("digits/train")
         threading.Thread(target=kill_after_chunk_gets, args=(store, before, 10), daemon=True).start()
+        # each fetch tried 3 times, as the boto3 client is told (obstore's own 11 tries take a minute)
         stopped = train(tmp_path, *run, "trainer.max_epochs=3", f"data.cache_dir={tmp_path / 'other'}",
-                        "data.num_workers=2", env=store.env, expect_ok=False)  # fmt: skip
+                        "data.num_workers=2", env={**store.env, "AWS_MAX_ATTEMPTS": "3"}, expect_ok=False)  # fmt: skip
     finally:
         store.stop()
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]  # said once
-    fetch = r"s3://shards/digits/train/chunk-\S+: GenericError: .* after 10 retries"
+    fetch = r"s3://shards/digits/train/chunk-\S+: GenericError: .* after 2 retries"
     assert re.match(rf"error: cannot read record \d+ of s3://shards/digits/train: {fetch}", line), line
     assert len(stopped.stderr.splitlines()) < 60  # litdata's report of each loader worker's fetch: ~16 lines
     assert last.read_bytes() == saved  # the last checkpoint before the store went, as it was

@@ -6,7 +6,9 @@ credentials, and hand it to litdata through its downloader registry; uploads the
 obstore runtime started in make_shards' process would not survive the fork of its next writer processes). An
 https:// endpoint, or none (AWS), is litdata's own path, untouched. A chunk that cannot be fetched (after the store
 client's retries) is an error of one line naming the object, whatever the endpoint: litdata prints the exception its
-prefetch thread dies of, and obstore's run over a hundred lines."""
+prefetch thread dies of, and obstore's run over a hundred lines. Our store tries a fetch as often as the standard AWS
+setting says (AWS_MAX_ATTEMPTS, or max_attempts in ~/.aws/config), where one is set; else as obstore does: 11 times
+in up to 3 min (litdata's own boto3 client ignores the setting: 1,000 attempts)."""
 
 import asyncio
 import os
@@ -54,11 +56,14 @@ def _downloader_class():
             key = (os.getpid(), bucket)  # obstore's runtime does not survive a fork: a store per process
             if getattr(self, "_plain_http_store", (None, None))[0] != key:
                 import boto3
+                import botocore.session
                 from obstore.store import S3Store
 
                 credentials = boto3.Session().get_credentials().get_frozen_credentials()  # the standard AWS chain
                 token = {"token": credentials.token} if credentials.token else {}
                 region = self._client.client.meta.region_name or "us-east-1"
+                attempts = botocore.session.get_session().get_config_variable("max_attempts")
+                retry = {"retry_config": {"max_retries": max(attempts - 1, 0)}} if attempts is not None else {}
                 store = S3Store(
                     bucket,
                     endpoint=endpoint,
@@ -68,6 +73,7 @@ def _downloader_class():
                     secret_access_key=credentials.secret_key,
                     **token,
                     client_options={"allow_http": True, "timeout": "200s"},
+                    **retry,
                 )
                 self._plain_http_store = (key, store)
             return self._plain_http_store[1]
