@@ -507,7 +507,7 @@ def test_the_store_going_away_mid_epoch_stops_the_run_naming_it_and_keeps_last_c
         # workers had fetched every one before step 22 in 1 of 4 tries, the run then ending well)
         before = store.gets("digits/train")
         threading.Thread(target=kill_after_chunk_gets, args=(store, before, 10), daemon=True).start()
-        # each fetch tried 3 times, as the boto3 client is told (obstore's own 11 tries take a minute)
+        # each fetch tried 3 times, as AWS_MAX_ATTEMPTS says (obstore's default 11 tries take a minute and more)
         stopped = train(tmp_path, *run, "trainer.max_epochs=3", f"data.cache_dir={tmp_path / 'other'}",
                         "data.num_workers=2", env={**store.env, "AWS_MAX_ATTEMPTS": "3"}, expect_ok=False)  # fmt: skip
     finally:
