@@ -265,7 +265,7 @@ def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
     codes, ended, lines = exits(procs, timeout=60, said=("error:", "Traceback"))
     assert codes == [130] * len(procs) and lines == expected, (codes, lines)
     assert max(ended) - interrupted_at < 10
-    assert all_gone(workers, by=interrupted_at + 10), [(pid, process_state(pid)) for pid in workers]
+    assert_gone_by(workers, interrupted_at + 10)
     assert torch.load(last, weights_only=True)["global_step"] > 0  # what was saved before is whole
 
 
@@ -341,7 +341,7 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     proc.kill()
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=60)  # the workers write to the same pipes: read until the last has closed them
-    assert all_gone(workers, by=killed_at + 30), [(pid, process_state(pid)) for pid in workers]
+    assert_gone_by(workers, killed_at + 30)
     said = f"error: node 0's launcher ({launcher}, pid {proc.pid}) is gone; its workers save checkpoints/last.ckpt" \
            " and stop"  # fmt: skip
     saved = torch.load(last, weights_only=True)["global_step"]
@@ -546,12 +546,12 @@ def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path 
     return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True, **popen)
 
 
-def all_gone(pids: list[int], by: float) -> bool:
-    """Whether every process of `pids` has ended by monotonic time `by`. A process closes its pipes, and its parent
-    may end, a moment before it has ended itself (the fork server sees its parent gone only then)."""
+def assert_gone_by(pids: list[int], by: float) -> None:
+    """Every process of `pids` has ended by monotonic time `by` (else: each one's state). A process closes its pipes,
+    and its parent may end, a moment before it has ended itself (the fork server sees its parent gone only then)."""
     while not all(gone(pid) for pid in pids) and time.monotonic() < by:
         time.sleep(0.05)
-    return all(gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids), [(pid, process_state(pid)) for pid in pids]
 
 
 def exits(procs: list[Popen], timeout: float = 120, said=("error:",)) -> tuple[list[int], list[float], list[str]]:
@@ -668,7 +668,7 @@ def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_na
     expected = {"srun": [124, -9]}.get(launched_by, [124, 124])
     within = 6 + 14 if fault == "SIGSTOP" else 8
     assert codes == expected and max(ended) - stopped_at < within, (codes, max(ended) - stopped_at, lines)
-    assert all_gone([victim], by=stopped_at + within), process_state(victim)
+    assert_gone_by([victim], stopped_at + within)
     said = f"error: rank {victim_rank} (node {node}) " + (
         "has not answered for 6 s (killed, stopped, or its node lost)"
         if fault == "SIGSTOP"
