@@ -183,6 +183,22 @@ def test_a_sharded_checkpoint_pointing_outside_its_directory_is_refused(short_ru
     assert refused_everywhere(tmp_path, planted, digit_files) == [f"{line} directory"] * 4
 
 
+def test_a_sharded_checkpoint_whose_offsets_run_past_its_shards_is_one_line(short_runs, digit_files, tmp_path):
+    def past_the_end(metadata):
+        for info in metadata.storage_data.values():
+            info.offset += 10**9
+
+    planted = planted_copy(short_runs, tmp_path, past_the_end)
+    runs = [
+        train(tmp_path / "test", "strategy=fsdp", "train=false", f"ckpt_path={planted}", *SHORT[:2], expect_ok=False),
+        predict(tmp_path / "predict", f"ckpt_path={planted}", f"inputs={digit_files}", expect_ok=False),
+    ]
+    for proc in runs:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert f"ckpt_path={planted}: its content is malformed (EOFError" in line, line  # under fsdp: rank 0's
+
+
 class PathSayingOtherwise:
     """Pickles as a PosixPath that joins as ../elsewhere/__0_0.distcp and prints as __0_0.distcp (its cached text
     set as the object is unpickled)."""

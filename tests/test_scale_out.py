@@ -398,8 +398,8 @@ def test_the_sweep_table_marks_the_best_job_that_ran_to_the_end_not_a_pruned_one
         (tmp_path / str(job)).mkdir()
         OmegaConf.save({"monitor": "val/acc", "monitor_mode": "max"}, tmp_path / str(job) / "config.yaml")
         (tmp_path / str(job) / "metrics.json").write_text(f'{{"val/acc": {value}}}')
-    assert [row["best"] for row in summary_rows(tmp_path, pruned={1})] == [False, False, True]
-    assert [row["best"] for row in summary_rows(tmp_path)] == [False, True, False]
+    assert [row["best"] for row in summary_rows(tmp_path, "val/acc", "max", pruned={1})] == [False, False, True]
+    assert [row["best"] for row in summary_rows(tmp_path, "val/acc", "max")] == [False, True, False]
 
 
 def test_an_optuna_trial_that_falls_behind_is_pruned_after_its_validation(tmp_path):

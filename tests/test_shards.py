@@ -202,6 +202,27 @@ def test_a_set_of_another_format_is_refused_in_one_line_saying_to_make_it_again(
     )
 
 
+@pytest.mark.parametrize(
+    "tamper,said",
+    [
+        (lambda text: text[:-2], "its description is malformed (JSONDecodeError:"),
+        (lambda text: json.dumps({**json.loads(text), "splits": [1, 2]}), "its description is malformed (TypeError:"),
+        (lambda text: json.dumps({**json.loads(text), "splits": {"train": 10**6, "val": 10, "test": "val"}}),
+         "(ValueError: its train split of 1000000 records, where its index holds"),
+        (lambda text: json.dumps({**json.loads(text), "std": [0.0]}), "(mean, std and value_range are not finite"),
+    ],
+)  # fmt: skip
+def test_a_malformed_description_is_one_line_naming_it(digit_shards, tamper, said, tmp_path):
+    theirs = tmp_path / "theirs"
+    shutil.copytree(digit_shards, theirs)
+    description = theirs / "shards.json"
+    description.write_text(tamper(description.read_text()))
+    proc = train(tmp_path, *SHARDS, f"data.source={theirs}", expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: data.source={description}: ") and said in line, line
+
+
 def planted_record(index: int) -> dict:
     return {"index": index, "image": Planted(), "label": 0}  # litdata's optimize pickles what it does not know
 

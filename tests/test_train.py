@@ -311,24 +311,6 @@ def test_validating_every_other_epoch_keeps_the_best_checkpoint_without_a_word_a
     assert (run_dirs(tmp_path)[0] / "checkpoints" / "best.ckpt").is_file()
 
 
-def test_a_run_directory_whose_entries_are_symlinks_gets_files_of_its_own_and_their_targets_stay(tmp_path):
-    # `ckpt_path=auto hydra.run.dir=DIR` on someone else's directory: each file the run writes replaces the entry
-    run_dir, elsewhere = tmp_path / "theirs", tmp_path / "elsewhere"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    elsewhere.mkdir()
-    entries = ["checkpoints/model.pt", "checkpoints/best.ckpt", "metrics.json", "metrics.csv", "learning_curves.png",
-               "config.yaml", "train.log"]  # fmt: skip
-    for entry in entries:
-        target = elsewhere / entry.replace("/", "_")
-        target.write_text("theirs\n")
-        (run_dir / entry).symlink_to(target)
-    train(tmp_path, "ckpt_path=auto", f"hydra.run.dir={run_dir}", "trainer.max_epochs=1")
-    assert [p.read_text() for p in sorted(elsewhere.iterdir())] == ["theirs\n"] * len(entries)
-    # Lightning names its best checkpoint best-v1.ckpt beside an entry best.ckpt that exists
-    assert [e for e in entries if (run_dir / e).is_symlink()] == ["checkpoints/best.ckpt"]
-    assert "test/acc" in read_metrics(run_dir) and (run_dir / "train.log").read_text().strip()
-
-
 def test_train_false_tests_exactly_the_weights_given_whichever_way_they_are_given(default_run, tmp_path):
     checkpoints = default_run[1] / "checkpoints"  # model.pt holds the final weights, as last.ckpt does
     by_weights = train(tmp_path / "weights", "train=false", f"init_from={checkpoints / 'model.pt'}")

@@ -273,6 +273,7 @@ def test_a_record_key_no_model_config_declares_is_left_out_and_said(tmp_path, ca
     "where,value,said",
     [
         ("model_name", "hf-hub:author/model", "sets model.net.model_name='hf-hub:author/model', which is no plain"),
+        ("model_name", "hf-hub:name", "sets model.net.model_name='hf-hub:name', which is no plain value"),
         ("model_name", 5, "sets model.net.model_name=5, which is no plain value of the type declared there"),
         ("num_classes", {"_target_": "builtins.int"}, "names 'builtins.int', which no model config here names"),
         ("_args_", [1], "sets model.net._args_, which no model config here declares"),

@@ -192,8 +192,17 @@ def save_resolved(cfg: DictConfig, path: Path) -> Path:
     from omegaconf.errors import InterpolationResolutionError
 
     try:
-        with replacing(path) as file:
-            OmegaConf.save(cfg, file, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as err:
         raise UserError(f"{err.full_key}: {' '.join(first_line(err, named=False).split())}") from None
+    with replacing(path) as file:  # a value that reads `${...}` (a searched string) stays that text when read back
+        OmegaConf.save(OmegaConf.create(escaped(resolved)), file)
     return path
+
+
+def escaped(node):
+    if isinstance(node, dict):
+        return {key: escaped(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [escaped(value) for value in node]
+    return node.replace("${", "\\${") if isinstance(node, str) else node

@@ -18,7 +18,7 @@ from starter.errors import UserError
 from starter.launch.environment import launch_plan
 from starter.loggers.report import shown
 from starter.topology import Layout, Plan, lay_out
-from starter.untrusted import model_config_dirs
+from starter.untrusted import formula_safe, model_config_dirs
 
 log = logging.getLogger(__name__)
 SHOWN = 5  # rows printed, and the top classes each row lists
@@ -114,9 +114,10 @@ def write_predictions(path: Path, rows: list, paths: list[str], classes: list[st
     with replacing(path, newline="") as f:
         out = csv.writer(f)
         out.writerow(["path", "class", "probability"] + (["top5"] if top_k else []))
-        for index, top, chances in rows:
+        for index, top, chances in rows:  # a class name is a record's: shown as text, never run as a formula
             line = [paths[index], classes[top[0]], f"{chances[0]:.4f}"]
-            out.writerow(line + ([" ".join(f"{classes[c]}:{p:.4f}" for c, p in zip(top, chances))] if top_k else []))
+            line += [" ".join(f"{classes[c]}:{p:.4f}" for c, p in zip(top, chances))] if top_k else []
+            out.writerow(map(formula_safe, line))
     if skipped := len(paths) - len(rows):
         log.warning(
             "%d of %d inputs unreadable and skipped (skip_unreadable=true): the warnings above name them",

@@ -51,7 +51,7 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     model = build(cfg.model, "model")
     try_factories(cfg.model, "model")
     if cfg.get("init_from") and not cfg.ckpt_path:  # training from them, or testing them (train=false)
-        load_initial_weights(model, Path(cfg.init_from), list(cfg.model_config_dirs))
+        load_initial_weights(model, Path(cfg.init_from), list(cfg.model_config_dirs), training=cfg.train)
     if cfg.trainer.get("enable_model_summary") and process_rank() == 0 and "image_shape" in cfg.data:
         log_model_summary(model, cfg.data.image_shape)
     if cfg.get("channels_last"):

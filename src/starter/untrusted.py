@@ -1,7 +1,9 @@
 """Every file the starter reads may be someone else's: a checkpoint, a run directory, a shard set, a sweep's journal.
 The rule, one for every reader: a file supplies *values*, never code, URLs or paths to read or write. Each reader
 accepts only what this starter writes and refuses the rest in one line, before anything is unpickled, instantiated
-or resolved (docs/guarantees.md names each reader and what it accepts).
+or resolved (docs/guarantees.md names each reader and what it accepts). Every reader parses inside `reading`: what a
+file's content breaks is one line naming the file and the part, never a traceback. A path that a file or a restored
+state names is used only inside this run's own folder (`inside`), and a value is checked for what it means.
 
 Where a file's content becomes config (a checkpoint's inference record rebuilding its model), it is rebuilt here from
 what the model configs of *this* checkout declare: a `_target_` (and `_partial_`, `_convert_`, `_recursive_`) only
@@ -10,12 +12,17 @@ interpolation, no URL or path), a key no config declares left out (said in the l
 reads weights is switched off: the checkpoint's own weights are loaded after the build."""
 
 import logging
+import math
+import os
+import pickle
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from starter.config_choices import source_folder
-from starter.errors import UserError
+from starter.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 SPECIAL = ("_target_", "_partial_", "_convert_", "_recursive_")  # taken as a config here declares them
@@ -23,6 +30,63 @@ OFF = {"pretrained": False, "weights": None}  # a builder that would fetch weigh
 READS = {"cache_dir", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay", "pretrained_cfg_overlay_file"}
 SCALARS = (type(None), bool, int, float, str)
 MAPPING = object()  # declared as a mapping (its keys declared below it)
+# what parsing a malformed file raises: a key missing, a value of another type or out of range, a file cut short
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, EOFError, OverflowError)
+
+
+@contextmanager
+def reading(path, named: str = "ckpt_path", part: str = ""):
+    """Around the parsing of a file that may be anyone's (the user's `named`=`path`): a pickled object in it (code that
+    would run) or a value its parsing cannot take (MALFORMED) is one line naming the file and `part`."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        first = first_line(err, named=False)[:120]
+        refused = "refused: loading it could run code. Load only checkpoints written by this starter"
+        raise UserError(f"{named}={path} holds pickled objects besides tensors ({first}...); {refused}") from None
+    except MALFORMED as err:
+        what, why = f"its {part}" if part else "its content", first_line(err)[:160]
+        raise UserError(f"{named}={path}: {what} is malformed ({why}); use one this starter wrote") from None
+
+
+def inside(path, folder, named: str) -> str:
+    """A path that a file or a restored state names (`named`: which, and its key), relative to `folder` (this run's
+    own) or absolute: used only where it lies inside `folder`, `..` and symlinks resolved; else dropped ("") with one
+    line."""
+    folder = Path(folder).resolve()
+    joined = Path(os.path.normpath(folder / path)) if path else folder
+    if joined != folder and joined.is_relative_to(folder) and joined.resolve().is_relative_to(folder):
+        return str(joined)
+    if path:
+        log.warning("%s names %s, outside %s: dropped (a file names nothing outside its run)", named, path, folder)
+    return ""
+
+
+def formula_safe(cell: str) -> str:
+    """A CSV cell that a spreadsheet shows as text: one that would start a formula gets a leading apostrophe."""
+    return f"'{cell}" if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
+
+
+def check_image_record(record: dict, named: str) -> None:
+    """What an image classifier's inference record means, checked (it prepares every image and names every class):
+    a shape of positive sizes within reason, a finite positive value range, a finite mean and a positive finite std
+    per channel, class names of plain text."""
+    with reading(named.partition("=")[2], named.partition("=")[0], "inference record"):
+        shape, mean, std = [int(n) for n in record["image_shape"]], record["mean"], record["std"]
+        finite = [float(v) for v in (*mean, *std, record["value_range"])]
+        problem = (
+            "image_shape is no (channels, height, width) of positive sizes up to 64 x 16384 x 16384"
+            if len(shape) != 3 or not (0 < shape[0] <= 64 and all(0 < n <= 16384 for n in shape[1:]))
+            else "mean, std and value_range are not finite numbers, with std and value_range above 0"
+            if not all(map(math.isfinite, finite)) or min(*map(float, std), float(record["value_range"])) <= 0
+            else "mean and std do not give one number per channel"
+            if not len(mean) == len(std) == shape[0]
+            else "classes are not names of plain text"
+            if not all(type(c) is str and c.isprintable() for c in record["classes"])
+            else None
+        )
+    if problem:
+        raise UserError(f"{named}: its inference record is malformed ({problem}); use one this starter wrote")
 
 
 def model_config_dirs() -> list[str]:
@@ -123,8 +187,8 @@ def _of_declared_type(value, declared: list) -> bool:
 
 
 def interpolations(node):
-    """Every string in `node` (keys too) that OmegaConf would resolve."""
-    return (n for n in _nodes(node) if isinstance(n, str) and "${" in n)
+    """Every string in `node` (keys too) that OmegaConf would resolve (`\\${` is the text `${`)."""
+    return (n for n in _nodes(node) if isinstance(n, str) and re.search(r"(?<!\\)\$\{", n))
 
 
 def _declare(node, place: tuple, declared: dict) -> None:

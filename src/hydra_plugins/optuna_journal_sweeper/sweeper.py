@@ -76,6 +76,10 @@ class OptunaJournalSweeper(Sweeper):
             direction=self.direction,
             load_if_exists=True,
         )
+        if (direction := study.direction.name.lower()) != self.direction:
+            refuse(f"{storage.removeprefix('journal:')}: its study is to {direction}, this sweep's direction is to"
+                   f" {self.direction}; continue it with hydra.sweeper.direction={direction}, or give another"
+                   " hydra.sweep.dir")  # fmt: skip
         if study.trials:  # a seeded sampler would draw its first points again: the study goes on from new ones
             study.sampler.reseed_rng()
         searched, fixed = search_space(self.params, arguments)
@@ -131,6 +135,8 @@ def open_storage(storage: str):
 def check_journal(path: Path) -> None:
     """A journal to continue holds what Optuna writes there: one JSON object a line, each an operation (`op_code`)
     of a worker (`worker_id`). Anything else stops the sweep in one line naming the file, before Optuna replays it."""
+    if path.is_symlink():  # Optuna opens and appends to what the name leads to
+        refuse(f"{path} is a symlink; a journal to continue is a file of the sweep directory")
     if not path.is_file():
         return
     with open(path, "rb") as journal:
@@ -175,10 +181,12 @@ CONTINUE = "continue a sweep with the space it searched, or give another hydra.s
 
 def hydra_value(value) -> str:
     """A point of the space as an override's value that Hydra parses back to it: a string stays the string given
-    (quoted: `choice('true', 'null')` reaches the job as those words, not a bool and None)."""
+    (quoted: `choice('true', 'null')` reaches the job as those words, not a bool and None; `${...}` as the text, not
+    what it would resolve to)."""
     if isinstance(value, str):
         # Hydra reads a backslash as one unless it stands before a quote or the end: those are doubled
-        return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\" * bool(m[2]) + m[2], value) + "'"
+        quoted = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + "\\" * bool(m[2]) + m[2], value)
+        return "'" + quoted.replace("${", "\\${") + "'"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
@@ -194,8 +202,8 @@ def search_space(params: dict, arguments: list[str]) -> tuple[dict, list[str]]:
     configured = [f"{key}={spec}" for key, spec in params.items() if key not in named]
     searched, fixed = {}, []
     for override in [*parser.parse_overrides(configured), *given]:
-        if override.is_sweep_override():
-            searched[override.key_or_group] = distribution(override)
+        if override.is_sweep_override():  # named with its `+` or `++`: the job's override adds the key too
+            searched[override.get_key_element()] = distribution(override)
         else:
             fixed.append(override.input_line)
     return searched, fixed

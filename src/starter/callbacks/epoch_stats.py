@@ -6,15 +6,14 @@ no `<monitor>_best` (checkpointing/best.py says so once)."""
 
 import time
 
-import lightning as L
-
+from starter.callbacks.restored import Restored
 from starter.errors import UserError
 from starter.topology import data_parallel_place
 
 EPOCH_FIGURES = ("train/epoch_time", "train/images_per_s")  # logged once an epoch, at its end
 
 
-class EpochStats(L.Callback):
+class EpochStats(Restored):
     def __init__(self, monitor: str = "val/acc", mode: str = "max"):
         if mode not in ("max", "min"):
             raise UserError(f"monitor_mode={mode}: choose max or min")
@@ -58,7 +57,8 @@ class EpochStats(L.Callback):
         return {"best": self.best}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.best = state_dict.get("best")
+        with self.reading():
+            self.best = None if state_dict.get("best") is None else float(state_dict["best"])
 
 
 def batch_length(batch) -> int:

@@ -6,12 +6,12 @@ its first (each sample of the epoch is not seen exactly once)."""
 
 import logging
 
-import lightning as L
+from starter.callbacks.restored import Restored
 
 log = logging.getLogger(__name__)
 
 
-class MidEpochResume(L.Callback):
+class MidEpochResume(Restored):
     def __init__(self):
         self.world, self.saved_world = 1, None  # this run's number of processes; the checkpoint's, where resumed
 
@@ -19,7 +19,10 @@ class MidEpochResume(L.Callback):
         return {"world": self.world}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.saved_world = state_dict.get("world")  # None in a checkpoint that says nothing of it
+        with self.reading():  # None in a checkpoint that says nothing of it
+            self.saved_world = state_dict.get("world")
+            if not (self.saved_world is None or type(self.saved_world) is int and self.saved_world > 0):
+                raise ValueError(f"world={self.saved_world!r} is no number of processes")
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.world = trainer.world_size

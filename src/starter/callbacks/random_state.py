@@ -11,10 +11,10 @@ one process draws what it always drew)."""
 import logging
 import random
 
-import lightning as L
 import numpy as np
 import torch
 
+from starter.callbacks.restored import Restored
 from starter.topology import data_parallel_place, layout_place
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def seed_rank(seed: int, rank: int) -> None:
     np.random.seed(int(words[3]))
 
 
-class RandomState(L.Callback):
+class RandomState(Restored):
     def __init__(self, seed: int):
         self.seed, self.saved, self.place = int(seed), None, (("data_parallel", 1, 0),)
 
@@ -70,13 +70,18 @@ class RandomState(L.Callback):
         return {"ranks": [states for states, _ in ranks], "places": [place for _, place in ranks]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.saved = state_dict
+        with self.reading():  # each rank's place: [[name, size, rank], ...]
+            ranks = list(state_dict["ranks"])
+            places = [tuple((str(n), int(s), int(r)) for n, s, r in place) for place in state_dict.get("places", [])]
+            if "places" not in state_dict:  # saved before places were: its ranks in order, each a data-parallel one
+                places = [(("data_parallel", len(ranks), rank),) for rank in range(len(ranks))]
+            self.saved = {"ranks": ranks, "places": places}
 
     def on_train_start(self, trainer, pl_module) -> None:  # after the checkpoint is restored and the sanity check
         saved, self.saved = self.saved, None
         if saved is None:
             return
-        places = [tuple(map(tuple, place)) for place in saved.get("places", [])]
+        places = saved["places"]
         if len(places) == trainer.world_size and self.place in places:
             set_generator_states(saved["ranks"][places.index(self.place)])
         elif trainer.is_global_zero:
@@ -85,7 +90,7 @@ class RandomState(L.Callback):
                 " from the seed (dropout and augmentation draw other numbers than the stopped run would have)",
                 len(saved["ranks"]),
                 "" if len(saved["ranks"]) == 1 else "es",
-                ", ".join(f"{name} {size}" for name, size, _ in (places[0] if places else ())) or "laid out unsaid",
+                ", ".join(f"{name} {size}" for name, size, _ in (places[0] if places else ())),
                 trainer.world_size,
                 ", ".join(f"{name} {size}" for name, size, _ in self.place),
             )

@@ -4,12 +4,12 @@ would stop the run with a traceback at the end of the first validation."""
 
 import logging
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from starter.checkpointing.run_checkpoint import RunCheckpoint
 
 log = logging.getLogger(__name__)
 
 
-class BestCheckpoint(ModelCheckpoint):
+class BestCheckpoint(RunCheckpoint):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.missing_said = False

@@ -7,18 +7,20 @@ from pathlib import Path
 
 import torch
 
-from starter.checkpointing.resume import refusing_pickled_code, weights_mismatch
+from starter.checkpointing.resume import weights_mismatch
 from starter.errors import UserError
 from starter.models.head import head_name
-from starter.untrusted import declared_models, model_config
+from starter.untrusted import declared_models, model_config, reading
 
 log = logging.getLogger(__name__)
 
 
-def load_initial_weights(model: torch.nn.Module, path: Path, config_dirs: list) -> None:
+def load_initial_weights(model: torch.nn.Module, path: Path, config_dirs: list, training: bool = True) -> None:
     """`config_dirs`: the config folders whose model configs say what a record may ask for; a checkpoint's inference
-    record asking for anything else is refused, as predict.py refuses it, though only its weights are read here."""
-    with refusing_pickled_code(path, key="init_from"):
+    record asking for anything else is refused, as predict.py refuses it, though only its weights are read here.
+    A head of another class count starts fresh where the run trains; a test of the weights given (`training` false)
+    refuses it (it would test a random head)."""
+    with reading(path, "init_from"):
         saved = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(saved, dict) and "inference" in saved:
         model_config(saved["inference"], declared_models(config_dirs), f"init_from={path}")
@@ -32,6 +34,11 @@ def load_initial_weights(model: torch.nn.Module, path: Path, config_dirs: list) 
         other = [
             k for k in (f"{head}.weight", f"{head}.bias") if k in state and k in own and state[k].shape != own[k].shape
         ]
+        if other and not training:
+            outputs = f"its head ({head}) has {len(state[other[0]])} outputs, this model {len(own[other[0]])} classes"
+            raise UserError(
+                f"init_from={path}: {outputs}; train=false tests the weights given: give data of its classes"
+            )
         if other:
             log.info(
                 "init_from=%s: its head (%s) has %d outputs, this model %d classes: the head starts freshly"

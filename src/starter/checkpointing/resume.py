@@ -3,15 +3,13 @@ checked against the model before training, loaded weights-only (a checkpoint hol
 """
 
 import logging
-import pickle
-from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from starter.config_choices import leaves
 from starter.errors import UserError, first_line
-from starter.untrusted import interpolations
+from starter.untrusted import interpolations, reading
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +81,9 @@ def saved_config(checkpoint: Path) -> DictConfig | None:
     if (interpolated := next(interpolations(OmegaConf.to_container(saved, resolve=False)), None)) is not None:
         instead = "move the checkpoint out of that directory to load it without its config"
         raise UserError(f"{config}: refused, it holds an interpolation ({interpolated!r}), a run's none; {instead}")
+    with reading(config, "the config beside ckpt_path", "model or strategy.name"):  # what the readers here take
+        if not (OmegaConf.is_dict(saved.get("model")) and isinstance(saved.strategy.name, str)):
+            raise TypeError("no mapping model or no name strategy.name")
     return saved
 
 
@@ -109,7 +110,7 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
     if path.is_dir():
         return  # a sharded checkpoint: torch.distributed.checkpoint reports mismatches itself on load
     try:
-        with refusing_pickled_code(path):
+        with reading(path):
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
     except UserError:
         raise
@@ -136,15 +137,3 @@ def weights_mismatch(expected: dict, found: dict) -> str | None:
     resized = sorted(k for k in shapes[0].keys() & shapes[1].keys() if shapes[0][k] != shapes[1][k])
     found = (("missing", missing), ("unexpected", unexpected), ("other shapes", resized))
     return ", ".join(f"{what} {names[:3]}" for what, names in found if names)
-
-
-@contextmanager
-def refusing_pickled_code(path, key: str = "ckpt_path"):
-    """Checkpoints load weights-only: one that holds a pickled object (code that would run) is refused in one line
-    naming it as the user did (`key`=`path`)."""
-    try:
-        yield
-    except pickle.UnpicklingError as err:
-        first = first_line(err, named=False)[:120]
-        refused = "refused: loading it could run code. Load only checkpoints written by this starter"
-        raise UserError(f"{key}={path} holds pickled objects besides tensors ({first}...); {refused}") from None

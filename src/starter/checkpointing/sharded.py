@@ -16,3 +16,16 @@ def point_atomically(link: Path, target: str) -> None:
     for old in link.parent.glob(f"{link.name}.*"):
         if old.name != target:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_saved(path: Path) -> None:
+    """A checkpoint this run saved: its file, or its sharded name and the sibling directory that it points at. A
+    symlink to anything else is removed, never followed."""
+    if path.is_symlink():
+        if (target := path.resolve()).parent == path.parent.resolve() and target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from starter.errors import UserError, first_line
+from starter.untrusted import MALFORMED
 
 METADATA = ".metadata"
 SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")  # what torch's FileSystemWriter names each rank's file
@@ -91,8 +92,8 @@ def read_sharded(state: dict, directory: Path) -> None:
 
     try:
         load(state, storage_reader=DataOnlyReader(directory), planner=WeightsOnlyPlanner())
-    except CheckpointException as err:
-        refusals = [failure[0] for failure in err.failures.values() if isinstance(failure[0], UserError)]
+    except CheckpointException as err:  # a refusal, or what a malformed file broke: the first, as it is
+        refusals = [failure[0] for failure in err.failures.values() if isinstance(failure[0], (UserError, *MALFORMED))]
         if refusals:
             raise refusals[0] from None
         raise

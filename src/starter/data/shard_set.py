@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from starter.errors import UserError
+from starter.untrusted import check_image_record, reading
 
 DESCRIPTION = "shards.json"
 SPLITS = ("train", "val", "test")
@@ -68,33 +69,36 @@ def describe(source: str) -> dict:
             f"data.source={source}: no finished shard set there (no {DESCRIPTION}); make one with"
             f" python make_shards.py data=<digits | mnist | imagenet | yours> out={source}"
         )
-    description = json.loads(text)
-    if description.get("format") != FORMAT:
-        raise UserError(
-            f"data.source={source}: a shard set of format {description.get('format')}; this starter"
-            f" reads format {FORMAT}: make it again with make_shards.py"
-        )
-    for split in [split for split, size in description["splits"].items() if size != "val"]:  # test may be val
-        check_index(join(source, split, INDEX))
+    with reading(join(source, DESCRIPTION), "data.source", "description"):
+        description = json.loads(text)
+        if description.get("format") != FORMAT:
+            raise UserError(
+                f"data.source={source}: a shard set of format {description.get('format')}; this starter"
+                f" reads format {FORMAT}: make it again with make_shards.py"
+            )
+        for split in SPLITS:
+            if (size := description["splits"][split]) != "val" or split != "test":  # test may be val
+                records = check_index(join(source, split, INDEX))
+                if not (type(size) is int and 0 < size <= records):
+                    raise ValueError(f"its {split} split of {size!r} records, where its index holds {records}")
+    check_image_record(description, f"data.source={join(source, DESCRIPTION)}")
     return description
 
 
-def check_index(url: str, text: str | None = None) -> None:
+def check_index(url: str, text: str | None = None) -> int:
     """A split's index.json (`text`, else read at `url`) as make_shards.py writes it, or one line naming it: records
     of the format make_shards.py writes (litdata would unpickle a `pickle` field, run a `file` one, ...), uncompressed
     and unencrypted, chunks named as litdata names them (a name is joined into a path of the cache)."""
     text = read_text(url) if text is None else text
     if text is None:
         raise UserError(f"{url}: missing; the shard set is not whole: make it again with make_shards.py")
-    try:
+    with reading(url, "data.source", "index"):
         index = json.loads(text)
         config, chunks = index["config"], index["chunks"]
         spec = json.loads(config["data_spec"])[1]
         keys = json.loads(spec["context"]) if spec.get("type") == "builtins.dict" else None
         chunk_names = [chunk["filename"] for chunk in chunks]
         sizes = [chunk["chunk_size"] for chunk in chunks]
-    except (ValueError, KeyError, TypeError, IndexError) as err:
-        raise UserError(f"{url}: refused, not litdata's index of a shard set ({type(err).__name__}: {err})") from None
     if config.get("data_format") != RECORD_FORMAT or keys != RECORD_KEYS:
         theirs, ours = dict(zip(keys or [], config.get("data_format") or [])), dict(zip(RECORD_KEYS, RECORD_FORMAT))
         raise UserError(f"{url}: refused, its records are {theirs}; this starter reads make_shards.py's ({ours})")
@@ -104,3 +108,4 @@ def check_index(url: str, text: str | None = None) -> None:
         raise UserError(f"{url}: refused, it names a chunk {bad[0]!r}: a chunk is a file beside it (chunk-<n>-<m>.bin)")
     if not all(isinstance(size, int) and size > 0 for size in sizes):
         raise UserError(f"{url}: refused, its chunk sizes are not counts of records")
+    return sum(sizes)

@@ -1,4 +1,7 @@
-"""A Hydra callback: refuse, in one line, a run directory that cannot be created, before Hydra tries to."""
+"""A Hydra callback: refuse, in one line, a run (or sweep) directory that cannot be created, or one to continue that is
+not a real tree, before Hydra writes into it. A directory may be someone else's: a symlink anywhere below it would
+have Hydra's writes (.hydra/), a journal's and the run's reads go elsewhere. A symlinked folder above it (logs on
+scratch) is fine, and so is the link a sharded checkpoint's name is (checkpoints/last.ckpt -> a sibling)."""
 
 import os
 import sys
@@ -12,9 +15,25 @@ def check_writable(directory: str) -> None:
     path = Path(directory).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
-        return
+        return check_real_tree(path)
     problem = "is not a directory" if not existing.is_dir() else "is not writable"
-    print(f"error: cannot write the run directory {path}: {existing} {problem}; set paths.log_dir", file=sys.stderr)
+    refuse(f"cannot write the run directory {path}: {existing} {problem}; set paths.log_dir")
+
+
+def check_real_tree(directory: Path) -> None:
+    for folder, folders, files in os.walk(directory):
+        for name in [*folders, *files]:
+            entry = Path(folder) / name
+            if entry.is_symlink() and not (Path(folder).name == "checkpoints" and sibling(os.readlink(entry))):
+                refuse(f"{entry} is a symlink; a run or sweep directory to continue holds none: give another one")
+
+
+def sibling(target: str) -> bool:
+    return os.sep not in target and target not in (".", "..")
+
+
+def refuse(line: str) -> None:
+    print(f"error: {line}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 

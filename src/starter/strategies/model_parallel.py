@@ -4,7 +4,6 @@ mesh and nothing on top. Checkpoints are sharded directories (torch.distributed.
 `last.ckpt`/`best.ckpt` symlinks then point at atomically."""
 
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,11 +14,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from starter.checkpointing.resume import is_sharded, refusing_pickled_code
+from starter.checkpointing.resume import is_sharded
 from starter.checkpointing.sharded import point_atomically
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError, one_line
 from starter.topology import Layout
+from starter.untrusted import reading
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class OutsideModelParallel(ModelParallelStrategy):
         if self.saving is not None:
             self.finish_saving()
             self.barrier()  # the name points at what was written last, on every rank
-        with refusing_pickled_code(checkpoint_path):
+        with reading(checkpoint_path):
             return self._load_checkpoint(Path(self.broadcast(checkpoint_path)))
 
     def _load_checkpoint(self, path: Path) -> dict:
@@ -164,14 +164,6 @@ class OutsideModelParallel(ModelParallelStrategy):
             log.warning("the checkpoint being written as the run failed is left unnamed: %s", one_line(err))
         finally:
             super().teardown()
-
-    def remove_checkpoint(self, filepath) -> None:
-        link = Path(filepath)
-        if self.is_global_zero and link.is_symlink():
-            shutil.rmtree(link.resolve(), ignore_errors=True)
-            link.unlink()
-        else:
-            super().remove_checkpoint(filepath)
 
 
 def _applied_already() -> None:

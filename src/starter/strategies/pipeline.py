@@ -13,12 +13,12 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from starter.checkpointing.resume import refusing_pickled_code
 from starter.checkpointing.sharded_read import read_sharded
 from starter.errors import UserError
 from starter.models.logging_step import is_logging_step, steps_optimizer
 from starter.strategies.pipeline_plan import PIPELINE_SCHEDULES, stages_per_process
 from starter.topology import per_process_batch
+from starter.untrusted import reading
 
 
 def pipelined_net(module: nn.Module) -> nn.Sequential:
@@ -242,7 +242,7 @@ class Pipelined:
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Each process reads its stages' weights (by name, whatever the cut that saved them) and optimizer state
         (same cut only: checked before launch); returns the rest of the checkpoint."""
-        with refusing_pickled_code(checkpoint_path):
+        with reading(checkpoint_path):
             return self._load_stages(checkpoint_path)
 
     def _load_stages(self, checkpoint_path) -> dict:
