@@ -1,6 +1,11 @@
 """Export a trained model to a file that runs without this starter: `python export.py ckpt_path=... format=onnx`
 (conf/export.yaml)."""
 
+if __name__ == "__main__":  # first: a stop signal while Hydra, torch and Lightning load ends with its line too
+    from starter.errors import stop_while_starting
+
+    stop_while_starting()
+
 import sys
 from pathlib import Path
 
@@ -9,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
-from starter.launch.run_name import run_name
+from starter.run_name import run_name
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="export")

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
-from starter.launch.run_name import run_name
+from starter.run_name import run_name
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="make_shards")

@@ -1,5 +1,10 @@
 """Predict image files with a trained model: `python predict.py ckpt_path=... inputs=...` (conf/predict.yaml)."""
 
+if __name__ == "__main__":  # first: a stop signal while Hydra, torch and Lightning load ends with its line too
+    from starter.errors import stop_while_starting
+
+    stop_while_starting()
+
 import sys
 from pathlib import Path
 
@@ -8,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from starter.config_choices import check_choices
 from starter.errors import end_without_teardown
-from starter.launch.run_name import run_name
+from starter.run_name import run_name
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="predict")

@@ -67,7 +67,7 @@ def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from starter.launch.run_name import run_name
+    from starter.run_name import run_name
 
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does

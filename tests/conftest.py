@@ -27,7 +27,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from starter.launch.nodes import free_port  # noqa: F401 (the tests' too)
-from starter.launch.run_name import run_name
+from starter.run_name import run_name
 
 if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does, for runs made here
@@ -334,7 +334,7 @@ def fork_server_writing_into_the_runs_output():
     first caller's preload), and a test's own DataLoader workers could otherwise start it with that test's captured
     output as its stdout and stderr, where the workers of every later run of several processes here would write.
     Preloaded as train.py's (Lightning), so its workers start at once."""
-    from starter.launch.fork_server import fork_server
+    from starter.fork_server import fork_server
     from starter.main import TRAIN, worker_preload
 
     with process_output().collected():

@@ -64,3 +64,71 @@ def test_folder_epoch_times_the_image_folder_against_images_on_the_device(tmp_pa
     assert set(rates) == {"images on the device (data=synthetic)", "JPEG folder, 1 loader workers",
                           "shards, 1 loader workers"}  # fmt: skip
     assert all(rate > 0 for rate in rates.values())
+
+
+class FakeClock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_gpu_session_runs_its_steps_in_order_each_in_its_bound_and_keeps_what_each_measured(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_session import Session, Step
+
+    clock, ran = FakeClock(), []
+
+    def measures(session, timeout_s):
+        ran.append("measures")
+        session.record("measures", {"status": "partial", "first": 1.0})
+        return {"first": 1.0, "second": [2.0, 3.0, 4.0]}
+
+    def hangs(session, timeout_s):  # a real process, killed at the step's own bound
+        ran.append("hangs")
+        session.command([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s)
+
+    def fails_after_a_figure(session, timeout_s):
+        ran.append("fails")
+        session.record("fails", {"status": "partial", "kept": 7})
+        clock.now += 600  # and the session's budget is spent
+        raise ValueError("a step's own error")
+
+    steps = [Step("measures", 60, measures), Step("hangs", 1, hangs), Step("fails", 60, fails_after_a_figure),
+             Step("late", 60, lambda session, timeout_s: ran.append("late"))]  # fmt: skip
+    Session(tmp_path, SimpleNamespace(budget_s=540), clock).run(steps)
+    assert ran == ["measures", "hangs", "fails"]  # in order; none after the budget
+    results = {step.name: json.loads((tmp_path / f"{step.name}.json").read_text()) for step in steps}
+    assert results["measures"]["status"] == "done" and results["measures"]["second"] == [2.0, 3.0, 4.0]
+    assert results["hangs"]["status"] == "timed out after 1 s"
+    assert results["fails"] == {**results["fails"], "status": "failed: ValueError: a step's own error", "kept": 7}
+    assert results["late"]["status"] == "not run: the session's budget is spent"
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary in capsys.readouterr().out and "| measures | done" in summary and "3.0 [2.0-4.0]" in summary
+
+
+def test_a_ratio_is_the_median_of_its_repetitions_and_unsettled_past_a_spread_of_5_percent():
+    from benchmarks.gpu_session import ratio, shown
+
+    settled = ratio([96, 97, 98, 99, 100], [100] * 5)
+    assert settled == {"median": 0.98, "min": 0.96, "max": 1.0, "spread": 0.0408, "settled": True}
+    assert shown(settled) == "0.98 (0.96-1.00)"
+    unsettled = ratio([90, 97, 98, 99, 100], [100] * 5)
+    assert not unsettled["settled"] and shown(unsettled) == "unsettled (0.90-1.00)"  # no figure where it moved 10%
+
+
+def test_the_gpu_sessions_parity_step_takes_turns_between_train_py_and_the_hand_loop_on_cpu(tmp_path):
+    run_benchmark("benchmarks.gpu_session", "--tiny", "--accelerator", "cpu", "--only", "parity", "--modes", "eager",
+                  "--repeats", "3", "--out", str(tmp_path))  # fmt: skip
+    parity = json.loads((tmp_path / "parity.json").read_text())
+    assert parity["status"] == "done"
+    for model in ("ResNet-18, eager", "ViT (3 blocks, patch 4), eager"):
+        figures = parity[model]
+        assert len(figures["train.py images/s"]) == len(figures["hand loop images/s"]) == 3
+        assert all(rate > 0 for rate in figures["train.py images/s"] + figures["hand loop images/s"])
+        assert set(figures["train.py / hand loop"]) == {"median", "min", "max", "spread", "settled"}
+    assert "| parity | done" in (tmp_path / "summary.md").read_text()

@@ -389,7 +389,7 @@ def test_torchruns_restarts_key_the_runs_store_by_the_attempt_not_by_how_many_ma
 
 def test_torchrun_agents_that_share_no_store_name_the_run_after_the_job_as_one_path_component(monkeypatch):
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: no store outlives a restart to keep a time stamp in (docs/clusters.md)
-    from starter.launch.run_name import run_name
+    from starter.run_name import run_name
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 7/../x")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
@@ -398,6 +398,24 @@ def test_torchrun_agents_that_share_no_store_name_the_run_after_the_job_as_one_p
         assert run_name() == "torchrun-job_7_.._x"
     finally:
         run_name.cache_clear()
+
+
+def test_unrelated_torchrun_jobs_with_the_default_rdzv_id_are_refused_rather_than_share_a_directory(
+    monkeypatch, capsys
+):
+    from starter.run_name import run_name
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default --rdzv-id
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("RANK", "0")
+    run_name.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            run_name()
+    finally:
+        run_name.cache_clear()
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.startswith("error: torchrun --rdzv-id is none (its default), and with")
 
 
 def test_nodes_whose_own_directories_differ_run_one_config():

@@ -108,7 +108,7 @@ def test_loader_workers_are_forks_of_a_server_that_imports_the_data_set_not_of_t
     # A fork copies the training process's threads (gloo's, the store's, the watchdog's, pyarrow's jemalloc thread)
     # at an arbitrary instant: a lock one of them held stays held in the worker. One fork server starts them all,
     # asked to import the data set's module and the workers' seeding (a process's first loader's: its server's).
-    from starter.launch.fork_server import fork_server
+    from starter.fork_server import fork_server
 
     dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 1, 0)
     dm.train_set = ParentOfTheWorker()
@@ -135,7 +135,7 @@ def report(queue):
 PRELOADED = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from starter.launch.fork_server import fork_server
+from starter.fork_server import fork_server
 import where_it_was_imported
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ checkpoints that load weights-only."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -228,6 +229,30 @@ def test_under_fsdp_stopped_mid_epoch_and_resumed_it_trains_the_steps_lightning_
         assert len(again_from_first) == (expected["two"] if experiment == "tokens" else expected["two"] - before[0])
     metrics = read_metrics(tmp_path / "run")
     assert any(k.startswith("test") for k in metrics)
+
+
+@pytest.mark.slow
+def test_a_module_with_tied_weights_trains_under_fsdp_to_ddps_weights_and_keeps_its_tie_through_resumes(tmp_path):
+    # the language model's output layer shares its embedding's weight (GPT-2's tie): one tensor, one gradient, one
+    # FSDP group; 2 epochs under ddp, and under fsdp 1 epoch then resumed from the sharded checkpoint for the second
+    from starter import load_module
+
+    tied = ["model.tie=true", "devices=2"]
+    run(tmp_path / "ddp", "tokens", *tied, "strategy=ddp")
+    fsdp = [*tied, "strategy=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}", "ckpt_path=auto"]
+    run(tmp_path, "tokens", *fsdp, "trainer.max_epochs=1", "test=false")
+    first = (tmp_path / "fsdp" / "checkpoints" / "last.ckpt").resolve()
+    shutil.copytree(first, tmp_path / "first.ckpt")
+    run(tmp_path, "tokens", *fsdp)
+    ours, ddp = model_weights(tmp_path / "fsdp"), model_weights(run_dirs(tmp_path / "ddp")[0])
+    assert ours.keys() == ddp.keys() and max((ours[k] - ddp[k]).abs().max() for k in ours) < 1e-5
+    assert torch.equal(ours["out.weight"], ours["embed.weight"])
+    # at another number of processes: the first epoch's sharded checkpoint, resumed by one
+    again = run(tmp_path / "one", "tokens", "model.tie=true", "strategy=fsdp", f"ckpt_path={tmp_path / 'first.ckpt'}")
+    assert "continuing at 1 process (was 2)" in again.stdout
+    for run_dir in (tmp_path / "fsdp", run_dirs(tmp_path / "one")[0]):
+        module = load_module(run_dir, config_dirs=[ROOT / "conf", FOREIGN / "conf"])
+        assert module.out.weight is module.embed.weight
 
 
 def experiment_datamodule(experiment: str) -> str:

@@ -200,3 +200,19 @@ def test_a_pipeline_checkpoint_evaluates_on_another_cut_and_resumes_only_on_its_
 def test_what_model_parallelism_cannot_run_is_refused_before_launch(overrides, message, tmp_path):
     with pytest.raises(UserError, match=message):
         prepare(compose_config(["devices=2", "accelerator=cpu", *overrides], tmp_path))
+
+
+def test_a_pipeline_that_would_split_tied_weights_between_stages_is_refused_in_one_line():
+    from torch import nn
+
+    from starter.strategies.pipeline import check_ties
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    net[2].weight = net[0].weight  # tied
+    check_ties(net, [(0, 3)], "pp")  # in one stage: fine
+    with pytest.raises(UserError) as refused:
+        check_ties(net, [(0, 2), (2, 3)], "pp")
+    assert str(refused.value) == (
+        "strategy=pp cuts the net into 2 stages, and its layers 0 and 2 share a parameter (tied weights) across two of"
+        " them; keep them in one stage or train with strategy=fsdp"
+    )

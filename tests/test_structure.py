@@ -13,11 +13,11 @@ ENTRY_POINTS = {"main", "predict", "export"}
 ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "declared", "atomic_write"},
+    {"errors", "declared", "atomic_write", "run_directory", "fork_server", "fork_server_exit"},
     {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema", "untrusted"},
     {"data", "launch"},
     {"strategies"},
-    {"preflight", "run", "trained"},
+    {"preflight", "run", "trained", "run_name"},
     ENTRY_POINTS,
 ]
 

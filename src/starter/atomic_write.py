@@ -1,10 +1,13 @@
 """Every file a run writes into its directory is a new file renamed over the entry: a kill never leaves it truncated,
 and a symlink there (a run directory may be someone else's) is replaced, never followed."""
 
+import errno
 import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from starter.errors import UserError
 
 
 @contextmanager
@@ -12,18 +15,43 @@ def replacing(path, mode: str = "w", **open_args):
     """A file object to write `path`'s new contents to: a temporary file beside it, synced and renamed over `path`
     when the block ends (removed where it raises)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with room_for(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the run's files from the people it is shared with
+            with os.fdopen(fd, mode, **open_args) as file:
+                yield file
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+@contextmanager
+def room_for(path):
+    """A write of `path` that fails for want of room (a full disk, a quota) is one line naming it: what was saved
+    before is whole, as every save writes a new file (or directory) and renames it into place."""
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the run's files from the people it is shared with
-        with os.fdopen(fd, mode, **open_args) as file:
-            yield file
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        yield
+    except Exception as err:
+        if not out_of_room(err):
+            raise
+        raise UserError(
+            f"no space left on device writing {path}; what was saved before is whole: make room and resume with"
+            " ckpt_path=auto"
+        ) from None
+
+
+def out_of_room(err: BaseException | None) -> bool:
+    """Whether `err` (or what it was raised from: torch's writer says a RuntimeError after the OSError; a sharded
+    save, each rank's failure) is ENOSPC or EDQUOT."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    failures = [failure[0] for failure in getattr(err, "failures", {}).values()]  # torch's CheckpointException
+    return err is not None and any(map(out_of_room, [err.__cause__ or err.__context__, *failures]))
 
 
 def unlink_symlink(path) -> None:

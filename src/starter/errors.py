@@ -45,6 +45,24 @@ def first_line(err: BaseException, named: bool = True) -> str:
     return f"{type(err).__name__}: {line}" if named else line or type(err).__name__
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # a scheduler's: preemption, its warnings
+
+
+def stop_while_starting() -> None:
+    """From a script's first instruction: a stop signal while the run cannot save anything yet (imports, the config,
+    the launch) ends the process with one line (said once, by rank 0), exit 143 as a stop that saved. The run's
+    own handling replaces it once there is more to do (SaveOnSigterm, the launcher's agent)."""
+
+    def stopped(signum, frame):
+        if next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0") == "0":
+            name = signal.Signals(signum).name
+            os.write(2, f"error: stopped by {name} while starting; nothing was saved\n".encode())
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stopped)
+
+
 _ctrl_c: list[int] = []  # the SIGINTs this process got
 
 

@@ -1,6 +1,7 @@
 """One process's part of a run: build data, model and trainer from the resolved config, fit, test, report."""
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits
-from starter.errors import PREEMPTED_EXIT_CODE, UserError, first_line, one_line
+from starter.errors import PREEMPTED_EXIT_CODE, STOP_SIGNALS, UserError, first_line, one_line
 from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -47,6 +48,9 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     stops = next((c for c in callbacks if isinstance(c, SaveOnSigterm)), None)
     if stops is not None:  # a stop signal from here on stops the run where it can (callbacks/preemption.py)
         stops.listen()
+    else:  # no stop handling asked for: a stop signal ends the process as by default, not "while starting"
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
     datamodule = build(cfg.data, "data") if "_target_" in cfg.data else None  # data=none: the module's loaders
     model = build(cfg.model, "model")
     try_factories(cfg.model, "model")

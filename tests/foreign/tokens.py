@@ -49,12 +49,14 @@ class TokenStream(LightningDataModule):
 
 
 class NextToken(LightningModule):
-    def __init__(self, vocab: int = 32, width: int = 32, lr: float = 3e-3):
+    def __init__(self, vocab: int = 32, width: int = 32, lr: float = 3e-3, tie: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(2 * width, width)
         self.out = nn.Linear(width, vocab)
+        if tie:  # the output layer shares the embedding's weight, as GPT-2's (tie_word_embeddings)
+            self.out.weight = self.embed.weight
 
     def forward(self, tokens):
         x = self.embed(tokens)

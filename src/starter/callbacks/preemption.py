@@ -9,18 +9,25 @@ It replaces Lightning's handler (registered again as each stage starts, hence li
 runs a collective inside the signal handler and can deadlock when ranks are signalled at different points of a step.
 """
 
+import os
 import signal
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from starter.callbacks.stop_agreement import StopAgreement
+from starter.callbacks.stop_agreement import StopAgreement, stop_line
+from starter.errors import PREEMPTED_EXIT_CODE
 from starter.models.logging_step import is_logging_step
+from starter.topology import process_rank
 
 
 class SaveOnSigterm(L.Callback):
+    listening: "SaveOnSigterm | None" = None  # this process's, once it listens (a watchdog asks it: end_unsaved)
+
     def __init__(self, dirpath: str, filename: str = "last.ckpt", signals: Sequence[str] = ("SIGTERM",)):
         self.path = Path(dirpath) / filename
         self.signals = [signal.Signals[name] for name in signals]
@@ -28,11 +35,30 @@ class SaveOnSigterm(L.Callback):
         self.phase = self.received_in = "setup"  # where the run is, and was when the signal arrived
         self.saved_step: int | None = None  # the step at which this stop saved last.ckpt
         self.agreement: StopAgreement | None = None
+        self.unheeded_since: tuple[str, float] | None = None  # a stop signal the watchdog saw, and when
 
     def listen(self) -> None:
         """Every stop signal this callback's from here on (run.py calls it first, before the model is built)."""
         for signum in self.signals:
             signal.signal(signum, self._request_stop)
+        SaveOnSigterm.listening = self
+
+    def unheeded(self, signals: bytes) -> None:
+        """The watchdog's call with the signals it saw come (a byte each: signal.set_wakeup_fd), for a stop signal
+        the main thread has not acted on within 2 s (it waits in C: a rendezvous, a collective). Where the run has
+        nothing to save yet (before training, or after the final save) the process ends now, rank 0 saying the run's
+        line; while it trains, the main thread saves (its launcher ends it otherwise)."""
+        stops = [signal.Signals(n).name for n in signals if n in self.signals]
+        self.unheeded_since = self.unheeded_since or (stops[0], time.monotonic()) if stops else self.unheeded_since
+        if not self.unheeded_since or time.monotonic() - self.unheeded_since[1] < 2:
+            return
+        if self.phase in ("training", "the final save"):
+            return
+        if process_rank() == 0:
+            line = stop_line(self.unheeded_since[0], self.path.parent.parent, self.phase)
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            StopAgreement(1).say_told()
+        os._exit(PREEMPTED_EXIT_CODE)
 
     def _request_stop(self, signum, frame) -> None:
         if self.received is None:

@@ -79,7 +79,7 @@ class ShardedDataModule(L.LightningDataModule):
         )
         if self.num_workers:  # workers seeded by the data-parallel place (worker_seed.py), forked from this
             # process's fork server, never from this threaded process; it imports what the workers unpickle
-            from starter.launch.fork_server import fork_server
+            from starter.fork_server import fork_server
 
             unpickled_from = (type(dataset).__module__, seed_worker.__module__)
             options |= dict(

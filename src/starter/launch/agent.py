@@ -19,7 +19,7 @@ import signal
 import time
 from pathlib import Path
 
-from starter.launch.fork_server import fork_server
+from starter.fork_server import fork_server
 from starter.launch.nodes import join_nodes, meeting_config, node_store, wait_for_all_nodes
 from starter.launch.oversight import Oversight
 from starter.launch.worker import work
@@ -82,7 +82,7 @@ def start_workers(
     except SignalException as stop:  # the agent forwarded it to the workers and gave them `grace_s` to end
         raise oversight.stopped(signal.Signals(stop.sigval).name) from None
     except ChildFailedError as err:
-        failed = oversight.failed(err.get_first_failure())
+        failed = oversight.failed(err.failures)
         # this job serves the store: the other nodes read the failure from it first, but for the one that wrote it
         if node == 0 and layout.nodes > 1 and not (layout.nodes == 2 and failed.node == 1):
             time.sleep(linger_s)

@@ -29,13 +29,15 @@ class Oversight:
         self.thread = threading.Thread(target=self._watch, name="oversight", daemon=True)
         self.thread.start()
 
-    def failed(self, first) -> WorkerFailed:
-        """WorkerFailed for the agent's first failure: `(global rank, ProcessFailure)`."""
-        rank, process = first
+    def failed(self, failures: dict) -> WorkerFailed:
+        """WorkerFailed for the agent's failures ({global rank: ProcessFailure}): the first a signal ended (its peers
+        here leave at once, unsaid: this names it), else the first."""
+        rank, process = min(failures.items(), key=lambda failed: (failed[1].exitcode >= 0, failed[1].timestamp))
         if reported := self._reported():
             return reported
         if process.exitcode < 0:  # a signal ended it: it could not say so; said here and told to the other nodes
-            line = f"{where(rank, self.per_node)} was killed by {process.signal_name()}; every process of the run stops"
+            killed = process.signal_name() + (" (out of memory?)" if process.exitcode == -signal.SIGKILL else "")
+            line = f"{where(rank, self.per_node)} was killed by {killed}; every process of the run stops"
             report(self.store, 128 - process.exitcode, line, self.node, self.prefix)
             return WorkerFailed(None, 128 - process.exitcode)
         if process.exitcode == PREEMPTED_EXIT_CODE:
@@ -51,10 +53,23 @@ class Oversight:
             time.sleep(0.05)
         if told(self.store, self.prefix):
             return WorkerFailed(None, PREEMPTED_EXIT_CODE)
-        step, why = saved_step(self.store, self.prefix), ""
-        if step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
+        step, why, phase = saved_step(self.store, self.prefix), "", None
+        if step is None and cause != "a stop signal" and not self._began():
+            phase = "the workers' start"  # they had nothing to save: ended at the signal
+        elif step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
             why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
-        return WorkerFailed(stop_line(cause, self.run_dir, saved_step=step, why=why), PREEMPTED_EXIT_CODE)
+        return WorkerFailed(stop_line(cause, self.run_dir, phase, step, why), PREEMPTED_EXIT_CODE)
+
+    def _began(self) -> bool:
+        """Whether a worker of this node began a batch (the count its watchdog beats into the store: stall.py)."""
+        keys = [
+            f"{self.prefix}/progress/{rank}"
+            for rank in range(self.node * self.per_node, (self.node + 1) * self.per_node)
+        ]
+        try:
+            return any(self.store.check([key]) and self.store.get(key).decode().split("|")[0] != "0" for key in keys)
+        except Exception:  # the store is gone
+            return True
 
     def _reported(self) -> WorkerFailed | None:
         if reported := failure(self.store, self.prefix):
@@ -88,8 +103,28 @@ class Oversight:
         return list(self.pids.values())
 
     def stop(self) -> None:
+        """Also ends what the agent could not: a worker forked as it stopped (it knew none), a child of the fork server
+        that forked every worker of the run."""
         self.stopping.set()
         self.thread.join()
+        for worker in workers_forked_here():
+            _signal(worker, signal.SIGKILL)
+
+
+def workers_forked_here() -> list[int]:
+    """The workers (named "rank N": worker.py) that a fork server of this process forked."""
+    processes = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # gone meanwhile
+        processes[int(stat.parent.name)] = (
+            text[text.index("(") + 1 : text.rindex(")")],
+            int(text.rsplit(")")[1].split()[1]),
+        )
+    servers = [pid for pid, (_, parent) in processes.items() if parent == os.getpid()]
+    return [pid for pid, (name, parent) in processes.items() if parent in servers and name.startswith("rank ")]
 
 
 def _pending(pid: int, signum: int) -> bool:

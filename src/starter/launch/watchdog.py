@@ -10,6 +10,7 @@ A worker whose launcher is gone (SIGKILL, the OOM killer) saves last.ckpt and st
 """
 
 import os
+import select
 import signal
 import socket
 import sys
@@ -111,22 +112,29 @@ class Watchdog:
         launcher_pid: int | None = None,
         stop_signal: int = signal.SIGTERM,
         parent: str | None = "train.py",
+        stop_grace_s: float = 90.0,
     ):
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the process that
         started this one (`parent`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
-        and stop (`stop_signal`). Where train.py's agent is not the launcher (torchrun, srun), nothing else would kill a
-        stopped rank, so the watchdog that names it does."""
+        and stop (`stop_signal`, within `stop_grace_s`). Where train.py's agent is not the launcher (torchrun, srun),
+        nothing else would kill a stopped rank, so the watchdog that names it does. A stop signal wakes the beat (the
+        main thread may wait in C, in a rendezvous or a collective, where no Python handler runs): a run that has
+        nothing to save yet ends then (callbacks/preemption.py)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall_timeout_s = float(stall_timeout_s)
         self.boundaries = -1  # the main thread's count at the last beat
-        self.launcher_pid, self.stop_signal = launcher_pid, stop_signal
+        self.launcher_pid, self.stop_signal, self.launcher_left = launcher_pid, stop_signal, False
         self.saying = threading.Lock()  # the beat and the main thread's stop() may both find the launcher gone
         self.store_holder, self.parent, self.kills_stopped_peers = store_holder, parent, parent != "train.py"
         self.interval = interval_s(self.timeout_s)
         self.answered, self.ever_answered = time.monotonic(), False  # the store's last answer
-        self.stopping = threading.Event()
+        self.stopping, self.stop_grace_s = threading.Event(), float(stop_grace_s)
         self.lifeline: Lifeline | None = None  # held by the beat thread (launch/lifeline.py)
+        self.signals, self.wakeup = socket.socketpair()  # a byte on it for each signal Python handles
+        for end in (self.signals, self.wakeup):
+            end.setblocking(False)
+        signal.set_wakeup_fd(self.wakeup.fileno(), warn_on_full_buffer=False)
         threading.Thread(target=self._beat, name="watchdog", daemon=True).start()
         threading.Thread(target=self._time_the_store, name="watchdog-timer", daemon=True).start()
 
@@ -184,6 +192,14 @@ class Watchdog:
         self._launcher_is_gone()  # said here where another rank saw it first and the run stopped before this beat
 
     def _beat(self) -> None:
+        try:
+            self._beating()
+        except Exception as err:  # a bug of ours: said, never a peer that "has not answered"
+            traceback.print_exc()
+            self.report(1, f"its watchdog failed ({type(err).__name__}: {one_line(err)})")
+            self._leave(1)
+
+    def _beating(self) -> None:
         prefix = key_prefix()
         watched = range(self.world) if self.rank == 0 else [0]
         seen = {rank: (-1, time.monotonic()) for rank in watched}  # rank: (counter, when it last moved)
@@ -191,14 +207,20 @@ class Watchdog:
         store, wait = None, 0.0  # the first beat at once: it says where this process runs (host, pid)
         relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
         while not self.stopping.is_set():
-            (self.lifeline or self.stopping).wait(wait)  # a lifeline wakes the beat at once where a peer's closes
+            if self.lifeline is not None:  # it wakes the beat at once where a peer's closes; a stop signal does too
+                self.lifeline.wait(wait, self.signals)
+            else:
+                select.select([self.signals], [], [], wait)
             if self.stopping.is_set():
                 break
             wait = self.interval if self.lifeline is not None else 0.5  # held from the first seconds of the run
+            self._stop_if_asked()
             if self._launcher_is_gone():  # stop as a stop signal would: save last.ckpt at one step, exit 143
                 os.kill(os.getpid(), self.stop_signal)
             lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
             if lost and not self.stopping.wait(1.0):  # a second for a launcher, or the process itself, to say why
+                if self.parent == "train.py" and runs_here(store, f"{prefix}/process/{lost[0]}"):
+                    self._leave((failure(store) or (LOST_EXIT_CODE,))[0])  # its launcher, beside it, names its signal
                 line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
                 report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops")
                 self._leave((failure(store) or (LOST_EXIT_CODE,))[0])
@@ -237,8 +259,19 @@ class Watchdog:
                             kill_if_stopped_here(store, f"{prefix}/process/{rank}")
                         self._leave(failure(store)[0])
                 self.answered, self.ever_answered = time.monotonic(), True
-            except Exception:  # the store unreachable: retried; the timer ends this process if it stays so
-                store = None
+            except (OSError, RuntimeError):  # the store unreachable (torch's store errors): retried; the timer ends
+                store = None  # this process if it stays so
+
+    def _stop_if_asked(self) -> None:
+        """The stop signals that came since the last beat, told the run's stop handling (SaveOnSigterm.unheeded)."""
+        try:
+            signals = self.signals.recv(64)
+        except BlockingIOError:
+            signals = b""
+        from starter.callbacks.preemption import SaveOnSigterm  # imported by the run already
+
+        if SaveOnSigterm.listening is not None and not self.stopping.is_set():
+            SaveOnSigterm.listening.unheeded(signals)
 
     def _progress(self) -> str:
         """'boundaries|loops|where the main thread is' (where: when the count has not moved since the last beat)."""
@@ -255,7 +288,7 @@ class Watchdog:
             pid = self.launcher_pid
             if not pid or not gone(pid):
                 return False
-            self.launcher_pid = None
+            self.launcher_pid, self.launcher_left = None, True
         if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
             print(
@@ -269,6 +302,8 @@ class Watchdog:
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
             allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
+            if self.launcher_pid is None and self.launcher_left:  # its store went with it: stop_grace_s to save
+                allowed = max(allowed, self.stop_grace_s)
             if time.monotonic() - self.answered > allowed + self.interval:
                 print(
                     f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
@@ -290,6 +325,14 @@ class Watchdog:
     def _linger(self) -> None:
         if self.serves_store:
             time.sleep(linger_s(self.timeout_s))
+
+
+def runs_here(store, key: str) -> bool:
+    """Whether the process a rank published under `key` ("host pid") runs on this host."""
+    try:
+        return store is not None and store.check([key]) and store.get(key).decode().split()[0] == socket.gethostname()
+    except (OSError, RuntimeError):
+        return False
 
 
 def kill_if_stopped_here(store, key: str) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from starter.errors import catch_ctrl_c
-from starter.launch.fork_server import SERVER_IGNORES
+from starter.fork_server import SERVER_IGNORES
 
 
 def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
@@ -60,6 +60,7 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
         store_holder="node 0's train.py",
         launcher_pid=launcher_pid,
         stop_signal=signal.Signals[(list(cfg.stop_signals) or ["SIGTERM"])[0]],
+        stop_grace_s=cfg.stop_grace_s,
     )
     try:
         with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code

@@ -35,16 +35,37 @@ def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Mod
     return units
 
 
+def tied(module: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """FSDP2 shards a parameter in one group. Where modules share one (tied weights: an output layer sharing the
+    embedding's), a unit holding only some of its owners is no unit (the group around it takes them all), and the
+    module's children holding them are sharded together. Returns (units, groups of the module's children to shard)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for owner in module.modules():
+        for parameter in owner.parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append(owner)
+    ties = [found for found in owners.values() if len(found) > 1]
+
+    def holds(outer: nn.Module, owner: nn.Module) -> bool:
+        return any(owner is inner for inner in outer.modules())
+
+    units = [u for u in units if all(len({holds(u, owner) for owner in tie}) == 1 for tie in ties)]
+    roots = [c for c in module.children() if next(c.parameters(), None) is not None and c not in units]
+    if any(len([c for c in roots if any(holds(c, owner) for owner in tie)]) > 1 for tie in ties):
+        return units, [[module]]  # tied across its children: the module is the group, its steps its forward
+    return units, [[root] for root in roots]
+
+
 def apply_fsdp(
-    roots: list[nn.Module],
+    roots: list[list[nn.Module]],
     mesh,
     units: list[nn.Module],
     reshard_after_forward: bool,
     cpu_offload: bool,
     param_dtype=None,
 ):
-    """Shard every unit, then every root for what the units leave. `param_dtype` (bf16 or fp16): parameters are
-    all-gathered and computed with in it, gradients reduce-scattered in fp32; BatchNorm stays in fp32."""
+    """Shard every unit, then every group of roots (one FSDP group each) for what the units leave. `param_dtype` (bf16
+    or fp16): parameters are all-gathered and computed with in it, gradients reduce-scattered in fp32; BatchNorm stays
+    in fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mixed = MixedPrecisionPolicy(param_dtype, torch.float32) if param_dtype else MixedPrecisionPolicy()
@@ -58,13 +79,13 @@ def apply_fsdp(
         # half-precision weight beside the fp32 statistics fails in its kernels; each becomes a unit of its own, its
         # input left as it comes (batch norm takes half-precision input with fp32 weights)
         norm = dict(kwargs, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=False))
-        for root in roots:
+        for root in [root for group in roots for root in group]:
             for batch_norm in [m for m in root.modules() if isinstance(m, BATCH_NORMS)]:
                 fully_shard(batch_norm, **norm)
     for unit in units:
         fully_shard(unit, **kwargs)
-    for root in roots:
-        fully_shard(root, **kwargs)
+    for group in roots:
+        fully_shard(group if len(group) > 1 else group[0], **kwargs)
 
 
 def move_state_but_parameters(module: nn.Module, device) -> None:
@@ -110,17 +131,22 @@ class FSDP2Strategy(Pipelined, OutsideModelParallel):
                 f"strategy=fsdp shards the module's submodules, and {', '.join(own)} are parameters of"
                 f" {type(module).__name__} itself; hold them in a submodule (an nn.Module attribute)"
             )
-        units = sharding_units(module, self.unit_names)
-        roots = [child for child in module.children() if any(True for _ in child.parameters()) and child not in units]
+        units, roots = tied(module, sharding_units(module, self.unit_names))
         self._shard(roots, units)
+        if roots == [[module]]:  # its parameters all-gathered for each step, which Lightning calls, not forward
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            for step in ("training_step", "validation_step", "test_step", "predict_step"):
+                register_fsdp_forward_method(module, step)
 
     def parallelize_stage(self, stage: nn.Module) -> None:
         if self.layout.tensor_parallel > 1:
             split_layers(stage, self.device_mesh["tensor_parallel"])
-        self._shard([stage], sharding_units(stage, self.unit_names))  # the stage is its own root: torch's pipeline
-        # reduce-scatters its gradients after the step's last micro-batch
+        units, _ = tied(stage, sharding_units(stage, self.unit_names))
+        self._shard([[stage]], units)  # the stage is its own root: torch's pipeline reduce-scatters its gradients
+        # after the step's last micro-batch
 
-    def _shard(self, roots: list[nn.Module], units: list[nn.Module]) -> None:
+    def _shard(self, roots: list[list[nn.Module]], units: list[nn.Module]) -> None:
         if self.activation_checkpointing:  # each unit's activations recomputed in backward instead of kept
             from torch.distributed._composable import checkpoint  # keeps parameter names, unlike a wrapper
 

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from starter.atomic_write import room_for
 from starter.checkpointing.resume import is_sharded
 from starter.checkpointing.sharded import point_atomically
 from starter.checkpointing.sharded_read import read_sharded
@@ -96,7 +97,8 @@ class OutsideModelParallel(ModelParallelStrategy):
         link = Path(filepath)
         version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
         if not self.async_save:
-            super().save_checkpoint(checkpoint, link.parent / version, storage_options)
+            with room_for(link):
+                super().save_checkpoint(checkpoint, link.parent / version, storage_options)
             self.barrier()  # every shard written
             if self.is_global_zero:
                 point_atomically(link, version)
@@ -121,7 +123,8 @@ class OutsideModelParallel(ModelParallelStrategy):
         saving, self.saving = self.saving, None
         if saving is not None:
             written, link, version = saving
-            written.result()
+            with room_for(link):
+                written.result()
             if self.is_global_zero:
                 point_atomically(link, version)
 

@@ -32,6 +32,21 @@ def pipelined_net(module: nn.Module) -> nn.Sequential:
     )
 
 
+def check_ties(net: nn.Sequential, bounds: list[tuple[int, int]], strategy: str) -> None:
+    """A parameter two layers share (tied weights) stays in one stage: each stage holds its own parameters."""
+    first_held = {}
+    for stage, (first, end) in enumerate(bounds):
+        for layer in range(first, end):
+            for parameter in net[layer].parameters():
+                held = first_held.setdefault(id(parameter), (stage, layer))
+                if held[0] != stage:
+                    raise UserError(
+                        f"strategy={strategy} cuts the net into {len(bounds)} stages, and its layers {held[1]} and"
+                        f" {layer} share a parameter (tied weights) across two of them; keep them in one stage or"
+                        " train with strategy=fsdp"
+                    )
+
+
 def balanced_stages(layers: list[nn.Module], stages: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges of `layers`, each holding parameters, the largest as small as it can be;
     layers without parameters (ReLU, Flatten) stay with the layer before them."""
@@ -118,6 +133,7 @@ class Pipelined:
         size, rank = mesh.size(), mesh.get_local_rank()
         count = size * self.stages_per_rank
         bounds = balanced_stages(list(net), count)
+        check_ties(net, bounds, self.strategy_name)
         mine = [s for s in range(count) if s % size == rank]
         owned = {i for s in mine for i in range(*bounds[s])}
         modules = [nn.Sequential(*(net[i] for i in range(*bounds[s]))) for s in mine]

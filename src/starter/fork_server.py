@@ -21,7 +21,7 @@ def fork_server(preload: tuple[str, ...]):
     sys.path as PYTHONPATH: a server of Python < 3.12.8 is given sys.path and does not apply it (CPython gh-117378), and
     a module found only there fails its preload in silence."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*preload, "starter.launch.fork_server_exit"])
+    context.set_forkserver_preload([*preload, "starter.fork_server_exit"])
     handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SERVER_IGNORES}  # inherited by exec
     python_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)

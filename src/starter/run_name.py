@@ -4,6 +4,7 @@ nodes' store (nodes.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a req
 `ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
+import sys
 from datetime import datetime
 from functools import cache
 
@@ -11,6 +12,10 @@ from starter.launch.environment import slurm_tasks
 from starter.topology import node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
 KEY = "starter/run_name"
+NO_ID = (
+    "torchrun --rdzv-id is none (its default), and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a job's run directory"
+    " is named after it (torchrun-<rdzv id>, shared by its restarts): give each job its own --rdzv-id"
+)
 
 
 @cache  # one name per process, however often Hydra resolves the run directory
@@ -19,6 +24,10 @@ def run_name(num_nodes: int = 1) -> str:
     if (run_id := torchrun_id()) is not None:
         # One name per torchrun job, kept by its restarts, at any size (--nnodes=1:2), for ckpt_path=auto to resume
         if not torchrun_agents_share_their_store():  # no store outlives a restart to keep a stamp: the job's id
+            if run_id == "none":  # torchrun's default: unrelated jobs would continue one another's directory
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"error: {NO_ID}", file=sys.stderr, flush=True)
+                raise SystemExit(2)
             return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
         from starter.launch.watchdog import client  # torch: only when several processes must agree
 

@@ -1,0 +1,181 @@
+"""Stops, losses and listeners, told true from the first second to the last process: a stop signal while the run starts
+(in the script, or while the workers start) is one line and leaves no process; a worker the OOM killer takes is named
+by its signal; a stranger on a port of the run changes nothing; a full disk is one line with what was saved whole."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from subprocess import PIPE, Popen
+
+import pytest
+import torch
+
+from conftest import QUIET, ROOT, descendants, on_cpu, train, wait_for_checkpoint, with_env, worker_of_rank
+from starter.launch.watchdog import gone, process_state
+
+pytestmark = pytest.mark.slow
+
+
+def start(tmp_path: Path, *overrides: str, script: str = "train.py", env=None) -> Popen:
+    command = [sys.executable, str(ROOT / script), f"paths.log_dir={tmp_path / 'logs'}", *on_cpu(overrides)]
+    return Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(env))
+
+
+def error_lines(proc: Popen) -> list[str]:
+    return [line for line in proc.stderr.read().splitlines() if line.startswith(("error:", "Traceback"))]
+
+
+@pytest.mark.parametrize(
+    "script,overrides,name",
+    [
+        ("train.py", [], "SIGTERM"),
+        ("train.py", [], "SIGUSR1"),
+        ("predict.py", ["ckpt_path=x", "inputs=y"], "SIGUSR2"),
+        ("export.py", ["ckpt_path=x"], "SIGTERM"),
+    ],
+)
+def test_a_stop_signal_as_the_script_starts_is_one_line_and_exit_143(script, overrides, name, tmp_path):
+    # before Hydra, torch and Lightning have loaded: sbatch's requeue (`[ $? -eq 143 ]`) sees a stop, and it is said
+    proc = start(tmp_path, *overrides, script=script)
+    time.sleep(0.3)
+    proc.send_signal(signal.Signals[name])
+    assert proc.wait(timeout=30) == 143
+    assert error_lines(proc) == [f"error: stopped by {name} while starting; nothing was saved"]
+
+
+def worker_names(pid: int) -> list[str]:
+    names = []
+    for child in descendants(pid):
+        try:
+            names.append(Path(f"/proc/{child}/comm").read_text().strip())
+        except OSError:
+            pass
+    return names
+
+
+@pytest.mark.parametrize("after_s", [0.0, 1.0])
+def test_a_stop_while_the_workers_start_ends_every_process_in_seconds_with_one_line(after_s, tmp_path):
+    # the workers may be importing, meeting in the rendezvous (a wait in C, where no Python handler runs) or setting
+    # up: none has anything to save, each ends at once, and the one line names the phase
+    proc = start(tmp_path, "strategy=ddp", "devices=2", *QUIET)
+    while sum(name.startswith("rank ") for name in worker_names(proc.pid)) < 2:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    time.sleep(after_s)
+    everyone = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert proc.wait(timeout=60) == 143
+    assert time.monotonic() - stopped_at < 15
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM during "), lines
+    assert "nothing was saved" in lines[0] or "after saving checkpoints/last.ckpt" in lines[0], lines
+    deadline = time.monotonic() + 15  # the fork server sees its parent gone a moment later
+    while not all(gone(pid) for pid in everyone) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in everyone), [(pid, process_state(pid)) for pid in everyone]
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on (/proc: its sockets' inodes in the table of listening ones)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
+        except OSError:
+            pass
+    ports = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_strangers_on_the_runs_ports_change_nothing_and_a_sigkilled_worker_is_named_by_its_signal(tmp_path):
+    proc = start(tmp_path, "strategy=ddp", "devices=2", "trainer.max_epochs=1000", *QUIET)
+    wait_for_checkpoint(tmp_path, proc, epochs=1)
+    rank_0 = worker_of_rank(proc, 0)
+    ports = listening_ports(rank_0)
+    assert ports  # its lifeline's and gloo's
+    for port in ports:  # a port scan (connect, close without a byte), a rank alone, a wrong secret, noise
+        for said in (b"", b"1\n", b"1 0123456789abcdef\n", b"GET / HTTP/1.0\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
+                stranger.sendall(said)
+    steps = torch.load(wait_for_checkpoint(tmp_path, proc, epochs=3), weights_only=True)["global_step"]
+    assert proc.poll() is None and steps > 0  # training went on
+    os.kill(worker_of_rank(proc, 1), signal.SIGKILL)  # what the OOM killer does
+    killed_at = time.monotonic()
+    assert proc.wait(timeout=60) == 137 and time.monotonic() - killed_at < 10, proc.stderr.read()[-3000:]
+    assert error_lines(proc) == ["error: rank 1 (node 0) was killed by SIGKILL (out of memory?); every process of the"
+                                 " run stops"]  # fmt: skip
+    assert gone(rank_0)
+
+
+def test_a_lifeline_takes_only_its_runs_ranks_and_names_one_that_closes(tmp_path):
+    from starter.launch.lifeline import Lifeline
+    from starter.launch.watchdog import client, serve_store
+
+    store = serve_store("127.0.0.1")
+    rank_0 = Lifeline(store, "run", "127.0.0.1", 0)
+    rank_1 = Lifeline(client("127.0.0.1", store.port, 10), "run", "127.0.0.1", 1)
+    port = rank_0.server.getsockname()[1]
+    strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    strangers[0].close()  # a port scan
+    strangers[1].sendall(b"1\n")  # a rank without the run's secret
+    strangers[2].sendall(b"2 " + b"0" * 32 + b"\n")  # a wrong one
+    time.sleep(0.2)
+    assert rank_0.gone() == [] and list(rank_0.peers) == [1] and not rank_0.unknown
+    rank_1.peers[0].close()  # rank 1 gone without a "bye"
+    time.sleep(0.2)
+    assert rank_0.gone() == [1]
+
+
+WATCHDOG_FAILS = """
+import time
+from starter.launch import lifeline, watchdog
+store = watchdog.serve_store("127.0.0.1")
+lifeline.Lifeline.gone = lambda self: 1 / 0  # a bug in the beat thread
+watchdog.Watchdog("127.0.0.1", store.port, 0, 2, 2, 10, 60, "node 0's train.py")
+time.sleep(30)
+"""
+
+
+def test_a_watchdog_whose_thread_fails_ends_its_process_with_a_line_naming_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG_FAILS], capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and lines == [
+        "error: rank 0 (node 0): its watchdog failed (ZeroDivisionError: division by zero)"
+    ], proc.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB file system, mounted for the test (root only: where none can be, the test cannot run here)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_what_was_saved_resumes(small_disk, tmp_path):
+    # each checkpoint about 1 MB (the MLP with Adam's state): the first epoch's two fit, the next one's do not
+    wide = ["debug=limit", "trainer.max_epochs=6"]
+    proc = train(tmp_path, *wide, f"hydra.run.dir={small_disk / 'run'}", expect_ok=False)
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert line.startswith(f"error: no space left on device writing {small_disk / 'run' / 'checkpoints'}/")
+    assert line.endswith("; what was saved before is whole: make room and resume with ckpt_path=auto")
+    last = small_disk / "run" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)["epoch"]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
+    resumed = train(tmp_path, *wide, "ckpt_path=auto", f"hydra.run.dir={small_disk / 'run'}")
+    assert torch.load(last, weights_only=True)["epoch"] == 5 > saved and "test/acc" in resumed.stdout
