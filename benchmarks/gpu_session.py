@@ -8,10 +8,12 @@ train.py, ... (`--repeats` each, the device's queued work finished before each c
 the repetitions' ratios with its spread (min-max); a spread over 5% of the median is reported as unsettled, not as a
 figure. The device's clocks and temperature are read before and after each step.
 
-Steps (`--only NAME ...` runs some): device, parity (ResNet-50 and ViT-S/16, eager and compiled), recipes (the
-`experiment=fast_*` recipes' images/s and MFU), floor (1-GPU ddp through torch's agent on this host's torch), stop
-(a stop signal saves last.ckpt), fsdp_async_save (fsdp with checkpoint_every_n_steps: sharded saves under NCCL,
-written while training goes on), decode (data.decode=gpu against images on the device), gpu_tier (tests/test_gpu.py).
+Steps, in this order (the budget cuts the last; `--only NAME ...` runs some): device, parity (ResNet-50 and ViT-S/16,
+eager and compiled), recipes (the `experiment=fast_*` recipes' images/s and MFU), floor (1-GPU ddp through torch's
+agent on this host's torch), gpu_tier (tests/test_gpu.py), stop (a stop signal saves last.ckpt), fsdp_async_save (fsdp
+with checkpoint_every_n_steps: sharded saves under NCCL, written while training goes on), decode (data.decode=gpu
+against images on the device), profile (benchmarks/step_profile.py for each model whose ratio fell short of 0.95).
+Every command run is in OUT/commands.log.
 `--tiny --accelerator cpu` runs the same path at toy sizes: how the test suite checks it.
 """
 
@@ -208,6 +210,8 @@ def side_by_side(session: Session, model: list[str], compiled: bool, timeout_s: 
                       f"--precision={args.precision}", *(["--compile"] * compiled), "--", *config],
     }  # fmt: skip
     reports = {"train.py": scratch / "train.py", "hand loop": scratch / "hand"}
+    with open(session.out / "commands.log", "a") as log:  # the exact commands, beside the figures
+        log.writelines(f"$ {' '.join(argv)}\n" for argv in commands.values())
     procs = {name: subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                     stderr=open(session.out / f"{name.replace(' ', '_')}.log", "a"))
              for name, argv in commands.items()}  # fmt: skip
@@ -320,14 +324,35 @@ def decode(session: Session, timeout_s: float) -> dict:
     return {"exit": proc.returncode, "table": proc.stdout.strip().splitlines()[-6:]}
 
 
+def profile(session: Session, timeout_s: float) -> dict:
+    """Where a step's time goes, for each model whose parity figure fell short of 0.95 of the hand loop (or none was
+    settled): benchmarks/step_profile.py, its tables and traces in OUT."""
+    parity, short, done = session.results.get("parity", {}), [], {}
+    for key, figures in parity.items():
+        if isinstance(figures, dict) and "train.py / hand loop" in figures:
+            measured = figures["train.py / hand loop"]
+            if not measured["settled"] or measured["median"] < 0.95:
+                short.append(key)
+    for key in short:
+        name, mode = key.split(", ")
+        tiny = ["--tiny"] * session.args.tiny
+        proc = session.command([sys.executable, "-m", "benchmarks.step_profile", "--model", name, *tiny,
+                                f"--accelerator={session.args.accelerator}", "--variant", "strategy=auto",
+                                *(["--compile"] * (mode == "compiled")), f"--results={session.out}",
+                                f"--traces={session.out / 'traces'}"], timeout_s)  # fmt: skip
+        done[key] = "profiled" if proc.returncode == 0 else f"exit {proc.returncode}"
+    return done or {"none short": "every parity figure settled at 0.95 or more"}
+
+
 def gpu_tier(session: Session, timeout_s: float) -> dict:
     proc = session.command([sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-o", "addopts="], timeout_s)
     return {"exit": proc.returncode, "result": proc.stdout.strip().splitlines()[-1:]}
 
 
 STEPS = [("device", 15, lambda s, t: {"device": device_state(), "python": sys.version.split()[0]}),
-         ("parity", 300, parity), ("recipes", 90, recipes), ("floor", 60, floor), ("stop", 60, stop),
-         ("fsdp_async_save", 60, fsdp_async_save), ("decode", 60, decode), ("gpu_tier", 180, gpu_tier)]  # fmt: skip
+         ("parity", 300, parity), ("recipes", 90, recipes), ("floor", 60, floor), ("gpu_tier", 180, gpu_tier),
+         ("stop", 60, stop), ("fsdp_async_save", 60, fsdp_async_save), ("decode", 60, decode),
+         ("profile", 120, profile)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None, clock=time.monotonic) -> None:
