@@ -245,7 +245,7 @@ def next_line(report: Path, index: int, proc, session: Session, deadline: float)
 
 def parity(session: Session, timeout_s: float) -> dict:
     figures, models, deadline = {}, TINY if session.args.tiny else MODELS, session.clock() + timeout_s
-    for name, model in models.items():
+    for name, model in [(name, models[name]) for name in session.args.models or models]:
         for compiled in [mode == "compiled" for mode in session.args.modes]:
             key = f"{name}, {'compiled' if compiled else 'eager'}"
             figures[key] = side_by_side(session, model, compiled, deadline - session.clock())
@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None, clock=time.monotonic) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="windows of each, taking turns")
     parser.add_argument("--window-steps", type=int, default=30)
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--models", nargs="+", default=None, help="the parity step's (default: all of them)")
     parser.add_argument("--warmup", type=int, default=15, help="steps before the first window (compile, autotune)")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="the device's dense bf16 peak (H100/H200)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: checks the path, not the speed")

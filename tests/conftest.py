@@ -255,6 +255,7 @@ def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", t
     entry = _entry_point(script)
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)  # a run sets these handlers
     saved = (sys.argv, os.getcwd(), [signal.getsignal(s) for s in stop_signals], logging.getLogger().handlers[:])
+    environment = dict(os.environ)  # a run sets some (Lightning's launcher at one process: LOCAL_RANK)
     code = 0
     run_name.cache_clear()  # a new run, a new name
     GlobalHydra.instance().clear()
@@ -271,6 +272,8 @@ def train_here(tmp_path: Path, overrides: list[str], script: str = "train.py", t
     finally:
         signal.alarm(0)
         sys.argv, cwd, signal_handlers, handlers = saved
+        os.environ.clear()
+        os.environ.update(environment)
         os.chdir(cwd)
         for signum, handler in zip(stop_signals, signal_handlers):
             signal.signal(signum, handler)

@@ -123,10 +123,12 @@ def test_a_ratio_is_the_median_of_its_repetitions_and_unsettled_past_a_spread_of
 
 def test_the_gpu_sessions_parity_step_takes_turns_between_train_py_and_the_hand_loop_on_cpu(tmp_path):
     run_benchmark("benchmarks.gpu_session", "--tiny", "--accelerator", "cpu", "--only", "parity", "--modes", "eager",
-                  "--repeats", "3", "--out", str(tmp_path))  # fmt: skip
+                  "--models", "ResNet-18", "--repeats", "3", "--out", str(tmp_path))  # fmt: skip
     parity = json.loads((tmp_path / "parity.json").read_text())
-    assert parity["status"] == "done"
-    for model in ("ResNet-18, eager", "ViT (3 blocks, patch 4), eager"):
+    assert parity["status"] == "done" and set(parity) - {"status", "seconds", "device_before", "after"} == {
+        "ResNet-18, eager"
+    }
+    for model in ("ResNet-18, eager",):
         figures = parity[model]
         assert len(figures["train.py images/s"]) == len(figures["hand loop images/s"]) == 3
         assert all(rate > 0 for rate in figures["train.py images/s"] + figures["hand loop images/s"])

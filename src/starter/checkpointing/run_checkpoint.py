@@ -15,7 +15,8 @@ PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 class RunCheckpoint(Restored, ModelCheckpoint):
     def __init__(self, **kwargs):
-        super().__init__(**{"enable_version_counter": False, **kwargs})
+        keeps_one = kwargs.get("save_top_k", 1) == 1  # more than one of a name: Lightning's -v1, -v2 tell them apart
+        super().__init__(**{"enable_version_counter": not keeps_one, **kwargs})
 
     def state_dict(self) -> dict:
         state = super().state_dict()
