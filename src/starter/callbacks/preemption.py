@@ -26,7 +26,7 @@ from starter.topology import process_rank
 
 
 class SaveOnSigterm(L.Callback):
-    listening: "SaveOnSigterm | None" = None  # this process's, once it listens (a watchdog asks it: end_unsaved)
+    listening: "SaveOnSigterm | None" = None  # this process's, once it listens (its watchdog tells it: unheeded)
 
     def __init__(self, dirpath: str, filename: str = "last.ckpt", signals: Sequence[str] = ("SIGTERM",)):
         self.path = Path(dirpath) / filename

@@ -302,7 +302,7 @@ class Watchdog:
     def _time_the_store(self) -> None:
         while not self.stopping.wait(1.0):
             allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
-            if self.launcher_pid is None and self.launcher_left:  # its store went with it: stop_grace_s to save
+            if self.launcher_left:  # its store went with it: stop_grace_s to save
                 allowed = max(allowed, self.stop_grace_s)
             if time.monotonic() - self.answered > allowed + self.interval:
                 print(
