@@ -272,6 +272,7 @@ def test_a_searched_string_reaches_the_job_as_the_text_searched_and_a_plus_key_i
     assert saved.extra == "${oc.env:HOME}"  # the workers read the text, not this machine's HOME
 
 
+# full examples: begin
 def test_a_record_asking_for_torchvisions_weights_builds_without_them(tmp_path, monkeypatch):
     import torch.hub
     from test_trained_model import weights_file
@@ -284,6 +285,9 @@ def test_a_record_asking_for_torchvisions_weights_builds_without_them(tmp_path, 
     tamper(path, lambda saved: saved["inference"]["model"]["net"].update(weights="IMAGENET1K_V1"))
     load_module(path)
     assert asked == []
+
+
+# full examples: end
 
 
 def test_checkpoint_every_n_steps_below_one_is_refused(tmp_path):
