@@ -288,8 +288,6 @@ def test_a_record_asking_for_torchvisions_weights_builds_without_them(tmp_path, 
 
 
 # full examples: end
-
-
 def test_checkpoint_every_n_steps_below_one_is_refused(tmp_path):
     proc = train(tmp_path, "checkpoint_every_n_steps=0", expect_ok=False)
     assert "checkpoint_every_n_steps" in error_line(proc)
