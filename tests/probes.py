@@ -411,3 +411,37 @@ class RecordSamples(L.Callback):
         line = {"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": sample_ids(batch)}
         with (self.output / f"rank{trainer.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class KilledAtStep(L.Callback):
+    """SIGKILLs this process as training step `step` begins (mid-epoch), as a lost machine ends it."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RefusedCommitAtStep(L.Callback):
+    """Makes torchft's quorum refuse training step `step` once in this replica group, after its gradients were averaged
+    with the others' (as an error this group alone met there would), and writes each training step's number as its
+    backward ends into `output` (a step trained again appears twice)."""
+
+    def __init__(self, step: int, output: str):
+        self.step, self.output, self.refused = step, Path(output), False
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        with self.output.open("a") as f:
+            f.write(f"{trainer.global_step + 1}\n")
+        if trainer.global_step + 1 == self.step and not self.refused:
+            self.refused, manager = True, trainer.strategy.manager
+            commit = manager.should_commit
+
+            def refuse(*args, **kwargs):
+                del manager.should_commit  # once
+                manager.report_error(RuntimeError("refused by a probe"))
+                return commit(*args, **kwargs)
+
+            manager.should_commit = refuse

@@ -69,6 +69,14 @@ SCHEMA = {
     "strategy.microbatches": "int >= 1",
     "strategy.async_save": "bool",
     "callbacks.freeze_backbone.epochs": "int >= 0",
+    "fault_tolerance.replica_group": "int >= 0",
+    "fault_tolerance.replica_groups": "int >= 1",
+    "fault_tolerance.lighthouse_port": "int 0..65535",
+    "fault_tolerance.min_replicas": "int >= 1",
+    "fault_tolerance.heartbeat_timeout_s": "number > 0",
+    "fault_tolerance.join_timeout_s": "number >= 0",
+    "fault_tolerance.timeout_s": "number > 0",
+    "fault_tolerance.quorum_timeout_s": "number > 0",
 }
 KINDS = {"int": "a whole number", "number": "a number", "bool": "true or false"}
 RANGE = re.compile(r"(-?[\d.]+)\.\.(-?[\d.]+)")  # "low..high", both within

@@ -53,6 +53,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
+        lighthouse = serve_lighthouse(cfg) if job == TRAIN else None  # noqa: F841 (served while this job runs)
         if plan.started_by == "ours":
             metrics = launch(cfg, config_path, plan, job)
         elif plan.started_by is not None:  # torchrun's workers, srun's tasks: each a rank
@@ -87,6 +88,15 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
             raise SystemExit(USER_ERROR_EXIT_CODE) from None
         raise KeyboardInterrupt from None
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def serve_lighthouse(cfg: DictConfig):
+    """fault_tolerance=torchft: replica group 0's train.py serves the lighthouse unless one is named."""
+    if not cfg.get("fault_tolerance"):
+        return None
+    from starter.strategies.fault_tolerant import start_lighthouse
+
+    return start_lighthouse(cfg.fault_tolerance)
 
 
 def _ending(err: BaseException) -> tuple[int, str]:
@@ -134,6 +144,8 @@ def what_runs(cfg: DictConfig, layout: Layout) -> str:
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     picked = [f"{group}={choices[group]}" for group in ("data", "model", "strategy") if choices.get(group)]
     processes = f"{layout.world} process{'es' if layout.world > 1 else ''} on {device_type(cfg)}"
+    if ft := cfg.get("fault_tolerance"):
+        processes += f", replica group {ft.replica_group} of {ft.replica_groups} (torchft)"
     return f"{' '.join([*picked, f'precision={cfg.precision}'])}, {processes} -> {shown(cfg.paths.output_dir)}"
 
 

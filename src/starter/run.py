@@ -153,7 +153,7 @@ def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: lis
         cfg.trainer,
         "trainer",
         enable_model_summary=False,
-        strategy=build_strategy(cfg.strategy, layout),
+        strategy=build_strategy(cfg.strategy, layout, cfg.get("fault_tolerance")),
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins,

@@ -36,6 +36,7 @@ class Traits:
     whole_weights: bool = True  # every process holds every weight (what weight averaging needs)
     syncs_batchnorm: bool = False  # sync_batchnorm=true: BatchNorm statistics over the global batch (GPUs)
     channels_last_weights: bool = True  # conv weights may be stored NHWC (FSDP2 shards contiguous ones only)
+    fault_tolerant: Support = "torchft averages whole gradients across replica groups"  # fault_tolerance=torchft
 
     @classmethod
     def of(cls, strategy_cfg) -> "Traits":
@@ -61,6 +62,7 @@ class Layout:
     processes_per_node: int
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    replica_groups: int = 1  # fault_tolerance=torchft: runs of this layout that train together, the data split over all
 
     @property
     def world(self) -> int:
@@ -90,7 +92,7 @@ class Layout:
                 f" that divides devices={per_node} (strategy=fsdp strategy.tensor_parallel_size={per_node}:"
                 " tensor parallel in each node, fsdp across)"
             )
-        return cls(layout.nodes, per_node, tp, pp)
+        return cls(layout.nodes, per_node, tp, pp, int((cfg.get("fault_tolerance") or {}).get("replica_groups", 1)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def lay_out(cfg: DictConfig, global_batch: int | None) -> Plan:
     traits = Traits.of(cfg.strategy)
     _check_processes(cfg, traits)
     layout = Layout.of(cfg)
-    shares = per_process_batch(global_batch, layout.data_parallel) if global_batch is not None else None
+    shares = per_process_batch(global_batch, layout.data_parallel * layout.replica_groups) if global_batch else None
     _check_capabilities(cfg, traits, layout)
     return Plan(traits, layout, shares)
 
@@ -239,11 +241,43 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
                 "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo);"
                 " on CPU each process normalises with its own batch statistics"
             )
+    if cfg.get("fault_tolerance"):
+        _check_fault_tolerance(cfg, traits)
     if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
         raise UserError(
             f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
             " CPU already; leave it false"
         )
+
+
+def _check_fault_tolerance(cfg: DictConfig, traits: Traits) -> None:
+    import importlib.util
+
+    ft, name = cfg.fault_tolerance, cfg.strategy.name
+    if (reason := why_not(traits.fault_tolerant)) is not None:
+        raise UserError(f"fault_tolerance=torchft with strategy={name}: {reason or 'not supported'}; use strategy=ddp")
+    if not ft.replica_group < ft.replica_groups:
+        raise UserError(
+            f"fault_tolerance.replica_group={ft.replica_group}: the groups are 0 to {ft.replica_groups - 1}"
+            f" (fault_tolerance.replica_groups={ft.replica_groups})"
+        )
+    if cfg.precision == "16-mixed":
+        raise UserError(
+            "fault_tolerance=torchft with precision=16-mixed: a joining group would not get the loss scale;"
+            " use precision=bf16-mixed"
+        )
+    if (cfg.get("trainer") or {}).get("accumulate_grad_batches", 1) > 1:
+        raise UserError(
+            "fault_tolerance=torchft with trainer.accumulate_grad_batches: a step the quorum refuses is trained again"
+            " on its batch, and accumulated batches would be lost; raise data.batch_size instead"
+        )
+    if ft.replica_group and not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise UserError(
+            f"replica group {ft.replica_group} needs the lighthouse's address: fault_tolerance.lighthouse="
+            f"http://<replica group 0's host>:{ft.lighthouse_port} (group 0 serves it), or TORCHFT_LIGHTHOUSE"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise UserError("fault_tolerance=torchft needs torchft: pip install -e '.[ft]'")
 
 
 def data_parallel_place(trainer) -> tuple[int, int]:

@@ -11,11 +11,19 @@ FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file'
 
 
 class Console(logging.Filter):
-    """This starter's lines, but those logged with `extra={"file_only": True}`, and anything at ERROR."""
+    """This starter's lines and anything at ERROR, but those marked `extra={"file_only": True}` (or by file_only)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        own = record.name.startswith("starter") and not getattr(record, "file_only", False)
-        return own or record.levelno >= logging.ERROR
+        if getattr(record, "file_only", False):
+            return False
+        return record.name.startswith("starter") or record.levelno >= logging.ERROR
+
+
+def file_only(record: logging.LogRecord) -> bool:
+    """A logger's filter: its records go to the run's log only (a library's errors that the starter handles and says
+    in a line of its own)."""
+    record.file_only = True
+    return True
 
 
 class RunLog(logging.FileHandler):

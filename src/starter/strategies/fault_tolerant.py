@@ -1,0 +1,303 @@
+"""fault_tolerance=torchft: a lost replica group costs a step, not a restart (torchft, `pip install -e '.[ft]'`).
+
+Each replica group is a run of its own (its own train.py, ranks, run directory, checkpoints), ddp inside it. Every
+step, torchft's Manager asks the lighthouse for a quorum of the live groups, averages the gradients over them through a
+process group that shrinks when a group is lost and grows when one comes back, and the optimizer steps only where the
+quorum commits; a step it does not commit is redone on the same batch. A group that starts late, or comes back, joins
+before its first batch: it heals from a live group (weights, optimizer, schedulers, step and the data position, sent
+weights-only), applies the step it joined in, and trains on. The data is split across groups and ranks as one ddp run
+of every group's processes would split it, so with every group live the run is that ddp run.
+"""
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from starter.errors import UserError
+from starter.loggers.console import file_only
+
+log = logging.getLogger(__name__)
+
+EXTRA = "fault_tolerance=torchft needs torchft: pip install -e '.[ft]'"
+LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.checkpointing.http_transport", "torchft_errors")
+FAILURES = (TimeoutError, RuntimeError, OSError)  # torchft's, when no quorum can be had
+REDOS = 10  # a step the quorum refuses this often in a row ends the run: the groups cannot agree
+
+
+def torchft():
+    """torchft, imported; its servers' chatter off the console (Rust's, on stderr: warnings only) and its handled
+    errors in the run's log only (the line saying what they did to the step is ours)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in LOGGERS:
+        logging.getLogger(name).addFilter(file_only)
+    try:
+        import torchft
+    except ImportError:
+        raise UserError(EXTRA) from None
+    return torchft
+
+
+def start_lighthouse(ft) -> object | None:
+    """Replica group 0 serves the lighthouse when no address is given (`fault_tolerance.lighthouse`, else
+    TORCHFT_LIGHTHOUSE); the other groups must be told where it is. Returns the server, kept alive by the caller."""
+    if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
+        os.environ["TORCHFT_LIGHTHOUSE"] = address
+        return None
+    torchft()
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"[::]:{ft.lighthouse_port}",
+        min_replicas=ft.min_replicas,
+        join_timeout_ms=int(ft.join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
+    )
+    os.environ["TORCHFT_LIGHTHOUSE"] = server.address()
+    log.info("replica group 0 serves the lighthouse at %s", server.address())
+    return server
+
+
+class FaultTolerantDDP(DDPStrategy):
+    def __init__(self, *, fault_tolerance, **kwargs):
+        super().__init__(**kwargs)
+        self.ft = fault_tolerance
+        self.manager = None
+        self.groups: list[int] = []  # the replica groups of the last quorum
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        """Training: this process's place among every group's processes; evaluation: within its own group (each
+        group evaluates the whole split)."""
+        kwargs = super().distributed_sampler_kwargs
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.training:
+            return kwargs
+        world = kwargs["num_replicas"]
+        return dict(
+            kwargs, num_replicas=world * self.ft.replica_groups, rank=self.ft.replica_group * world + kwargs["rank"]
+        )
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self.manager is not None or not self.lightning_module.trainer.training:  # evaluation: within the group
+            return
+        ft = torchft()
+        timeout = timedelta(seconds=self.ft.timeout_s)
+        groups = ft.ProcessGroupNCCL if self.root_device.type == "cuda" else ft.ProcessGroupGloo
+        self.manager = ft.Manager(
+            pg=_Quorum(groups, self, timeout=timeout),
+            load_state_dict=self._heal,
+            state_dict=self._state,
+            min_replica_size=self.ft.min_replicas,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.ft.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            replica_id=f"replica_group_{self.ft.replica_group}",
+            checkpoint_transport=_WeightsOnly(timeout=timeout, num_chunks=0),
+        )
+
+    def on_train_start(self) -> None:
+        """Join the live groups before the first batch: heal where they are ahead (weights, optimizer, step, data
+        position) and take part in the step they are in, so the first batch is trained with them."""
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if not self.lightning_module.automatic_optimization or len(self.optimizers) != 1:
+            raise UserError("fault_tolerance=torchft trains a module with one optimizer and automatic optimization")
+        self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})  # a resumed run's
+        self.healed, self.behind = None, 0
+        optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
+        while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
+            self.manager.start_quorum()
+            for p in _parameters(optimizer):
+                p.grad = None
+            stepped = self._average(optimizer, contributes=False)
+            if not self._committed():
+                continue
+            if (
+                stepped
+                or len(self.groups) == self.ft.replica_groups
+                or time.monotonic() - since > self.ft.join_timeout_s
+            ):
+                break
+            time.sleep(0.2)
+        if len(self.groups) < self.ft.replica_groups and self.global_rank == 0:
+            log.warning(
+                "replica group(s) %s not here after %g s: training with %d of %d (one that comes joins then)",
+                ", ".join(str(g) for g in range(self.ft.replica_groups) if g not in self.groups),
+                self.ft.join_timeout_s,
+                len(self.groups),
+                self.ft.replica_groups,
+            )
+        if stepped:  # the live groups' step, with their gradients, here too: the weights stay equal
+            clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            self.precision_plugin._clip_gradients(self.lightning_module, optimizer, *clip)  # as theirs are
+            optimizer.step()
+        optimizer.zero_grad()
+        if self.healed is not None:
+            self._go_to(trainer, *self.healed, stepped)
+            self.healed = None
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        trainer = self.lightning_module.trainer
+        if self.behind:  # healed mid-run: the live groups trained this many more batches; these are not applied
+            self.behind -= 1
+            return closure()
+        self.refused = 0
+        while True:
+            self.manager.start_quorum()
+            result = closure()  # forward, backward (ddp averages within the group)
+            self._average(optimizer, contributes=True)
+            if self._committed():
+                break
+            log.warning(
+                "replica group %d: the quorum did not commit step %d; training it again on the same batch",
+                self.ft.replica_group,
+                trainer.global_step + 1,
+            )
+        if self.healed is not None:  # the others committed a step this group did not: healed, it skips their batch
+            self.behind, self.healed = self.healed[2] - trainer.global_step, None
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _committed(self) -> bool:
+        """torchft's commit decision; its failures (no lighthouse, a quorum timed out) as one line."""
+        try:
+            if self.manager.should_commit():
+                return True
+        except FAILURES as err:
+            raise self._failed(err) from None
+        self.refused += 1
+        if self.refused == REDOS:
+            raise UserError(f"replica group {self.ft.replica_group}: {REDOS} quorums in a row did not commit a step")
+        return False
+
+    def _failed(self, err: BaseException) -> UserError:
+        return UserError(
+            f"replica group {self.ft.replica_group}: torchft: {' '.join(str(err).split())[:300]} (the lighthouse:"
+            f" {os.environ.get('TORCHFT_LIGHTHOUSE')}, served by replica group 0's train.py unless named)"
+        )
+
+    def _average(self, optimizer, contributes: bool) -> bool:
+        """Every gradient averaged over the quorum's groups in one all-reduce (none: zeros); returns whether any group
+        contributed one (a group joining contributes none)."""
+        params = _parameters(optimizer)
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            + [torch.full((1,), float(contributes), device=self.root_device)]
+        )
+        try:
+            self.manager.allreduce(flat).wait()
+        except FAILURES as err:  # the quorum itself failed (a failed all-reduce is the commit's: refused)
+            raise self._failed(err) from None
+        offset = 0
+        for p in params:
+            chunk = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+        return not contributes and bool(flat[-1] > 0)  # read only when joining: the training step stays async
+
+    def _state(self) -> dict:
+        """What a joining group heals from (called in the quorum's thread, before this step's optimizer step)."""
+        trainer = self.lightning_module.trainer
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        return {
+            "model": self.lightning_module.state_dict(),
+            "optimizer": self.optimizers[0].state_dict(),
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "position": torch.tensor([trainer.current_epoch, done, trainer.global_step]),
+        }
+
+    def _heal(self, state: dict) -> None:
+        trainer = self.lightning_module.trainer
+        self.lightning_module.load_state_dict(state["model"])
+        self.optimizers[0].load_state_dict(state["optimizer"])
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(saved)
+        self.healed = [int(v) for v in state["position"]]
+        log.info("replica group %d healed from a live group at step %d", self.ft.replica_group, self.healed[2])
+
+    def _go_to(self, trainer, epoch: int, done: int, step: int, stepped: bool) -> None:
+        """The healed group's loops and training data where the live groups' are after the step it joined in."""
+        if stepped:
+            done, step = done + 1, step + 1
+        if done >= trainer.num_training_batches:
+            epoch, done = epoch + 1, 0
+        loops = trainer.fit_loop.state_dict()
+        batches = loops["epoch_loop.batch_progress"]
+        batches["total"] = dict.fromkeys(batches["total"], step)
+        batches["current"] = dict.fromkeys(batches["current"], done)
+        batches["is_last_batch"] = False
+        steps = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+        for progress in steps.values():
+            progress["total"] = dict.fromkeys(progress["total"], step)
+            progress["current"] = dict.fromkeys(progress["current"], done)
+        loops["epoch_loop.state_dict"]["_batches_that_stepped"] = step - 1  # as a checkpoint has it: +1 on restart
+        started = epoch + (done > 0)
+        for counts in loops["epoch_progress"].values():
+            counts.update(ready=started, started=started, processed=epoch, completed=epoch)
+        loops["state_dict"] = {}
+        trainer.fit_loop.load_state_dict(loops)
+        for loader in trainer.fit_loop._combined_loader.flattened:  # a loader that resumes mid-epoch skips ahead
+            if hasattr(loader, "load_state_dict"):
+                loader.load_state_dict({"epoch": epoch, "batches": done})
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        super().teardown()
+
+
+def _parameters(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _Quorum(process_group_class, strategy: FaultTolerantDDP, **kwargs):
+    """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
+
+    class Quorum(process_group_class):
+        def configure(self, *args, **kwargs):  # the manager passes the quorum's ranks eighth
+            super().configure(*args, **kwargs)
+            global_ranks = args[7] if len(args) > 7 else kwargs.get("global_ranks")
+            groups = sorted({rank // strategy.world_size for rank in global_ranks or ()})
+            lost, came = sorted(set(strategy.groups) - set(groups)), sorted(set(groups) - set(strategy.groups))
+            if strategy.groups and (lost or came) and strategy.global_rank == 0:
+                what = "; ".join(
+                    f"replica group{'s' * (len(g) > 1)} {', '.join(map(str, g))} {verb}"
+                    for g, verb in ((lost, "lost"), (came, "joined"))
+                    if g
+                )
+                log.warning("%s: training on with %d of %d", what, len(groups), strategy.ft.replica_groups)
+            strategy.groups = groups
+
+    return Quorum(**kwargs)
+
+
+class _WeightsOnly:
+    """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle)."""
+
+    def __new__(cls, **kwargs):
+        from torchft.checkpointing._serialization import _streaming_load
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        class WeightsOnlyHTTP(HTTPTransport):
+            @classmethod
+            def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+                import urllib.request
+
+                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                    return _streaming_load(f, weights_only=True)
+
+        transport = WeightsOnlyHTTP(**kwargs)
+        transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
+        return transport

@@ -1,0 +1,104 @@
+"""fault_tolerance=torchft: replica groups that are one ddp run while all live, a refused step trained again (not
+applied twice), a lost group costing the others one heartbeat and no restart, a returning group healed equal."""
+
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MLP_20_STEPS, PROBES, QUIET, ROOT, free_port, max_difference, model_weights, read_metrics, run_dirs
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_S = 2
+
+
+def group(tmp_path: Path, number: int, port: int, *overrides: str) -> subprocess.Popen:
+    """Replica group `number` of two, one process, as a user starts it: its own train.py, its logs under tmp_path/g<n>;
+    group 0 serves the lighthouse on `port`."""
+    lighthouse = [f"fault_tolerance.lighthouse=http://localhost:{port}"] if number else []
+    command = [sys.executable, str(ROOT / "train.py"), "accelerator=cpu", "fault_tolerance=torchft",
+               f"fault_tolerance.replica_group={number}", f"fault_tolerance.lighthouse_port={port}", *lighthouse,
+               f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.timeout_s=20",
+               f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides]  # fmt: skip
+    (tmp_path / f"g{number}").mkdir(parents=True, exist_ok=True)
+    env = dict(__import__("os").environ, **PROBES)
+    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen, timeout: int = 300) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    return out + err
+
+
+def run_dir(tmp_path: Path, number: int, which: int = -1) -> Path:
+    return run_dirs(tmp_path / f"g{number}")[which]
+
+
+def logged_steps(run: Path) -> list[int]:
+    (metrics,) = run.glob("**/metrics.csv")
+    return [int(row["step"]) for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
+
+
+def test_two_replica_groups_train_as_ddp_and_a_refused_step_is_trained_again_not_applied_twice(
+    tmp_path, reference_weights
+):
+    """Two groups of one process are ddp on two processes (the data split, the gradients averaged): the weights of
+    one process with the same global batch. The quorum refuses step 8 in both: each trains it again on its batch."""
+    port = free_port()
+    refuse = ["+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.step=8"]
+    procs = [
+        group(tmp_path, g, port, *MLP_20_STEPS, *refuse, f"+callbacks.refuse.output={tmp_path / f'steps{g}'}")
+        for g in (0, 1)
+    ]
+    outputs = [finished(p) for p in procs]
+    weights = [model_weights(run_dir(tmp_path, g)) for g in (0, 1)]
+    assert max_difference(weights[0], weights[1]) == 0
+    assert max_difference(weights[0], reference_weights) < 1e-5
+    for g, out in enumerate(outputs):
+        assert "replica group 1 of 2 (torchft)" in outputs[1] and "replica group 0 serves the lighthouse" in outputs[0]
+        assert f"replica group {g}: the quorum did not commit step 8; training it again on the same batch" in out
+        steps = [int(s) for s in (tmp_path / f"steps{g}").read_text().split()]
+        assert steps == [*range(1, 9), *range(8, 21)]  # step 8 trained twice, applied once: the reference's weights
+        assert "Traceback" not in out
+
+
+def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_heals_equal(tmp_path):
+    """Group 1 is SIGKILLed as step 10 begins: group 0 names it within a heartbeat and a step, and trains on in the same
+    process (its steps never start again). Group 1 started again joins mid-epoch: healed from group 0 (weights,
+    optimizer, step, data position), it trains with it; a step its quorum refuses where group 0's commits heals it
+    again. Both end with equal weights, logging at the same steps, and the test accuracy of a 5-epoch run."""
+    port = free_port()
+    slow = ["trainer.max_epochs=5", "+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.3"]
+    survivor = group(tmp_path, 0, port, *slow, f"+callbacks.slow.output={tmp_path / 'steps0'}")
+    lost = group(tmp_path, 1, port, *slow, f"+callbacks.slow.output={tmp_path / 'lost'}",
+                 "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10")  # fmt: skip
+    lost.communicate(timeout=300)
+    assert lost.returncode == -9
+    time.sleep(HEARTBEAT_S)  # gone from the lighthouse's view before it comes back
+    back = group(tmp_path, 1, port, *slow, f"+callbacks.slow.output={tmp_path / 'steps1'}",
+                 "+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.step=90",
+                 f"+callbacks.refuse.output={tmp_path / 'refused'}")  # fmt: skip
+    said, said_back = finished(survivor), finished(back)
+
+    ends = [line.split() for line in (tmp_path / "steps0").read_text().splitlines()]
+    steps, times = [int(s) for s, _ in ends], [float(t) for _, t in ends]
+    assert steps == list(range(1, 96))  # one process, never restarted: every step once, in order
+    assert max(b - a for a, b in zip(times, times[1:])) < HEARTBEAT_S + 3  # the loss cost a heartbeat, once
+    assert said.count("replica group 1 lost: training on with 1 of 2") == 1
+    assert said.index("replica group 1 lost") < said.rindex("replica group 1 joined: training on with 2 of 2")
+    healed = [line for line in said_back.splitlines() if "replica group 1 healed from a live group at step" in line]
+    assert len(healed) == 2 and int(healed[0].split()[-1]) > 10  # on joining mid-run, and after the refused step
+    assert "replica group 1: the quorum did not commit step 90" in said_back
+    assert int((tmp_path / "steps1").read_text().split()[0]) > 11  # it began where group 0 was
+
+    runs = [run_dir(tmp_path, 0), run_dir(tmp_path, 1)]
+    assert max_difference(*(model_weights(r) for r in runs)) == 0
+    assert set(logged_steps(runs[1])) <= set(logged_steps(runs[0]))  # its steps are group 0's
+    metrics = [read_metrics(r) for r in runs]
+    assert metrics[0]["test/acc"] == metrics[1]["test/acc"] > 0.9  # an uninterrupted run: 0.94
+    assert "Traceback" not in said + said_back
