@@ -136,6 +136,30 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+class StepClock(L.Callback):
+    """Rank 0 appends `<global step> <unix time>` to `output` as each training batch ends; each step takes `seconds`
+    longer (a model's step). With `kill_at`, global rank `kill_rank` SIGKILLs itself as that step begins, once per
+    `output` (the run's restart does not again), as a lost machine ends a process."""
+
+    def __init__(self, output: str, seconds: float = 0.0, kill_at: int | None = None, kill_rank: int = 0):
+        self.output, self.seconds, self.kill_at, self.kill_rank = Path(output), seconds, kill_at, kill_rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        time.sleep(self.seconds)
+        marker = self.output.with_suffix(".killed")
+        if trainer.global_step == self.kill_at and trainer.global_rank == self.kill_rank and not marker.exists():
+            import os
+            import signal
+
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            with self.output.open("a") as f:
+                f.write(f"{trainer.global_step} {time.time()}\n")
+
+
 class ExitAtFirstStep(L.Callback):
     """Writes the wall-clock time of the first training step to `output`, then ends the process at once."""
 

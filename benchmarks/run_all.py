@@ -10,7 +10,7 @@ import sys
 
 from benchmarks.common import RESULTS, ROOT
 
-BENCHMARKS = ["parity", "parity_ddp", "host_syncs", "startup", "model_parallel_memory"]
+BENCHMARKS = ["parity", "parity_ddp", "host_syncs", "startup", "model_parallel_memory", "fault_tolerance"]
 BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix", "predict_speed"]  # full examples
 RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
 
@@ -105,6 +105,8 @@ def main() -> None:
         "## Parity under ddp (2 processes, gloo)", (RESULTS / "parity_ddp.md").read_text(),
         "## Data paths", (RESULTS / "data.md").read_text(),  # full examples
         "## Start-up", (RESULTS / "startup.md").read_text(),
+        "## A lost replica: fault_tolerance=torchft against the elastic restart (CPU)",
+        (RESULTS / "fault_tolerance.md").read_text(),
         "## Predict: images/s against the test loop of the same checkpoint (one process, CPU)",  # full examples
         (RESULTS / "predict_speed.md").read_text(),  # full examples
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples

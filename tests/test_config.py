@@ -18,7 +18,7 @@ from starter.strategies.build import build_strategy
 from starter.topology import Layout, Traits
 
 GROUPS = ["data", "model", "strategy", "trainer", "callbacks", "logger", "paths", "hydra", "experiment", "debug",
-          "hparams_search"]  # fmt: skip
+          "hparams_search", "fault_tolerance"]  # fmt: skip
 GROUPS += ["launcher"]  # full examples
 
 
@@ -111,6 +111,17 @@ def test_each_trait_a_strategy_declares_drives_its_check(overrides, message, tmp
         prepare(compose_config(["strategy=ddp", "devices=2", "accelerator=cpu", *overrides], tmp_path))
 
 
+def test_fault_tolerance_without_torchft_names_the_extra_in_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else find_spec(name, *a)
+    )
+    with pytest.raises(UserError, match=r"^fault_tolerance=torchft needs torchft: pip install -e '.\[ft\]'$"):
+        prepare(compose_config(["fault_tolerance=torchft"], tmp_path))
+
+
 def test_a_strategy_that_cannot_scale_fp16_is_refused_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setattr("starter.topology.cuda_device_count", lambda: 2)
     cfg = compose_config(["strategy=ddp", "devices=2", "accelerator=gpu", "precision=16-mixed",
@@ -174,6 +185,22 @@ def test_help_lists_config_groups():
         (["data.batch_size=0"], "^data.batch_size=0: give a whole number of 1 or more$"),
         (["trainer.accumulate_grad_batches=-2"], "^trainer.accumulate_grad_batches=-2: give a whole number of 1 or"),
         (["trainer.check_val_every_n_epoch=0"], "^trainer.check_val_every_n_epoch=0: give a whole number of 1 or"),
+        # fault_tolerance=torchft: what it cannot run, said before any group starts
+        (
+            ["fault_tolerance=torchft", "strategy=fsdp", "devices=2"],
+            "^fault_tolerance=torchft with strategy=fsdp: "
+            "torchft averages whole gradients across replica groups; use strategy=ddp$",
+        ),
+        (["fault_tolerance=torchft", "fault_tolerance.replica_group=2"], "=2: the groups are 0 to 1"),
+        (["fault_tolerance=torchft", "precision=16-mixed"], "a joining group would not get the loss scale"),
+        (["fault_tolerance=torchft", "trainer.accumulate_grad_batches=2"], "accumulated batches would be lost"),
+        (
+            ["fault_tolerance=torchft", "fault_tolerance.replica_group=1"],
+            "^replica group 1 needs the lighthouse's"
+            " address: fault_tolerance.lighthouse=http://<replica group 0's host>:29510",
+        ),
+        (["fault_tolerance=torchft", "data.batch_size=63"], "does not divide by the 2 processes"),  # both groups'
+        (["fault_tolerance=torchft", "strategy=ddp", "devices=2", "data.batch_size=66"], "by the 4 processes"),
     ],
 )
 def test_bad_config_is_refused_before_training(overrides, message, tmp_path):

@@ -207,9 +207,10 @@ class FaultTolerantDDP(DDPStrategy):
         return not contributes and bool(flat[-1] > 0)  # read only when joining: the training step stays async
 
     def _state(self) -> dict:
-        """What a joining group heals from (called in the quorum's thread, before this step's optimizer step)."""
+        """What a joining group heals from (called in the quorum's thread, before this step's optimizer step); the
+        batches done in this epoch: all of them (a run resumed at an epoch's end) are none of the next."""
         trainer = self.lightning_module.trainer
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed % max(trainer.num_training_batches, 1)
         return {
             "model": self.lightning_module.state_dict(),
             "optimizer": self.optimizers[0].state_dict(),
@@ -241,7 +242,8 @@ class FaultTolerantDDP(DDPStrategy):
         for progress in steps.values():
             progress["total"] = dict.fromkeys(progress["total"], step)
             progress["current"] = dict.fromkeys(progress["current"], done)
-        loops["epoch_loop.state_dict"]["_batches_that_stepped"] = step - 1  # as a checkpoint has it: +1 on restart
+        # as a checkpoint has it: Lightning adds the batch it was saved at when it restarts mid-epoch
+        loops["epoch_loop.state_dict"]["_batches_that_stepped"] = step - (done > 0)
         started = epoch + (done > 0)
         for counts in loops["epoch_progress"].values():
             counts.update(ready=started, started=started, processed=epoch, completed=epoch)
