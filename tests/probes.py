@@ -425,17 +425,21 @@ class KilledAtStep(L.Callback):
 
 
 class RefusedCommitAtStep(L.Callback):
-    """Makes torchft's quorum refuse training step `step` once in this replica group, after its gradients were averaged
-    with the others' (as an error this group alone met there would), and writes each training step's number as its
-    backward ends into `output` (a step trained again appears twice)."""
+    """Makes torchft's quorum refuse training step `step` once in this replica group (None: the `after`th step this
+    process trains), after its gradients were averaged with the others' (as an error this group alone met there
+    would), and writes each training step's number as its backward ends into `output` (a step trained again appears
+    twice)."""
 
-    def __init__(self, step: int, output: str):
-        self.step, self.output, self.refused = step, Path(output), False
+    def __init__(self, output: str, step: int | None = None, after: int = 5):
+        self.step, self.after, self.output, self.refused = step, after, Path(output), False
 
     def on_after_backward(self, trainer, pl_module) -> None:
+        step = trainer.global_step + 1
         with self.output.open("a") as f:
-            f.write(f"{trainer.global_step + 1}\n")
-        if trainer.global_step + 1 == self.step and not self.refused:
+            f.write(f"{step}\n")
+        if self.step is None:
+            self.step = step + self.after - 1
+        if step == self.step and not self.refused:
             self.refused, manager = True, trainer.strategy.manager
             commit = manager.should_commit
 
@@ -445,3 +449,20 @@ class RefusedCommitAtStep(L.Callback):
                 return commit(*args, **kwargs)
 
             manager.should_commit = refuse
+
+
+class SlowWhileAlone(L.Callback):
+    """Under fault_tolerance=torchft, each training step takes `seconds` longer while this replica group trains
+    without all the others (so that one started again finds it training); rank 0 writes when each step ended
+    (its global step, monotonic time) to `output`, a line each."""
+
+    def __init__(self, seconds: float, output: str):
+        self.seconds, self.output = seconds, Path(output)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if len(trainer.strategy.groups) < trainer.strategy.ft.replica_groups:
+            time.sleep(self.seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        with self.output.open("a") as f:
+            f.write(f"{trainer.global_step} {time.monotonic()}\n")
