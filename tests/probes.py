@@ -426,19 +426,21 @@ class KilledAtStep(L.Callback):
 
 class RefusedCommitAtStep(L.Callback):
     """Makes torchft's quorum refuse training step `step` once in this replica group (None: the `after`th step this
-    process trains), after its gradients were averaged with the others' (as an error this group alone met there
-    would), and writes each training step's number as its backward ends into `output` (a step trained again appears
-    twice)."""
+    process trains, or with `epoch_end` the first after it that ends an epoch), after its gradients were averaged
+    with the others' (as an error this group alone met there would), and writes each training step's number as its
+    backward ends into `output` (a step trained again appears twice)."""
 
-    def __init__(self, output: str, step: int | None = None, after: int = 5):
-        self.step, self.after, self.output, self.refused = step, after, Path(output), False
+    def __init__(self, output: str, step: int | None = None, after: int = 5, epoch_end: bool = False):
+        self.step, self.after, self.epoch_end, self.output, self.refused = step, after, epoch_end, Path(output), False
 
     def on_after_backward(self, trainer, pl_module) -> None:
         step = trainer.global_step + 1
         with self.output.open("a") as f:
             f.write(f"{step}\n")
-        if self.step is None:
+        if self.step is None:  # with epoch_end, the first that ends an epoch (the others then cross it first)
             self.step = step + self.after - 1
+            while self.epoch_end and self.step % trainer.num_training_batches:
+                self.step += 1
         if step == self.step and not self.refused:
             self.refused, manager = True, trainer.strategy.manager
             commit = manager.should_commit

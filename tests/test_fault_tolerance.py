@@ -71,7 +71,8 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     """Group 1 is SIGKILLed as step 10 begins: group 0 names it within a heartbeat and a step, and trains on in the same
     process (its steps never start again), slowed while alone. Group 1 started again joins mid-epoch: healed from group
     0 (weights, optimizer, step, data position), it trains with it; a step its quorum refuses where group 0's commits
-    heals it again. Both end with equal weights, logging at the same steps, and the test accuracy of a 5-epoch run."""
+    heals it again (an epoch's last: group 0 crosses the epoch's end, and steps its lr schedule, first). Both end with
+    equal weights, logging at the same steps, and the test accuracy of a 5-epoch run."""
     port = free_port()
     epochs = ["trainer.max_epochs=5", "+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.3"]
     survivor = group(tmp_path, 0, port, *epochs, f"+callbacks.slow.output={tmp_path / 'steps0'}")
@@ -81,7 +82,8 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     assert lost.returncode == -9
     time.sleep(HEARTBEAT_S)  # gone from the lighthouse's view before it comes back
     back = group(tmp_path, 1, port, *epochs, f"+callbacks.slow.output={tmp_path / 'steps1'}",
-                 "+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.after=5",
+                 "+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.after=3",
+                 "+callbacks.refuse.epoch_end=true",
                  f"+callbacks.refuse.output={tmp_path / 'refused'}")  # fmt: skip
     said, said_back = finished(survivor), finished(back)
 
@@ -95,7 +97,8 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     assert len(healed) == 2 and int(healed[0].split()[-1]) > 10  # on joining mid-run, and after the refused step
     first = int((tmp_path / "steps1").read_text().split()[0])
     assert first > 11  # it began where group 0 was
-    assert f"replica group 1: the quorum did not commit step {first + 4}" in said_back
+    refused = next(step for step in range(first + 2, 96) if step % 19 == 0)  # the last of an epoch: group 0 ends it
+    assert f"replica group 1: the quorum did not commit step {refused}" in said_back  # first, stepping its schedule
 
     runs = [run_dir(tmp_path, 0), run_dir(tmp_path, 1)]
     assert max_difference(*(model_weights(r) for r in runs)) == 0

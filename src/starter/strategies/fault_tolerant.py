@@ -112,7 +112,7 @@ class FaultTolerantDDP(DDPStrategy):
         if not self.lightning_module.automatic_optimization or len(self.optimizers) != 1:
             raise UserError("fault_tolerance=torchft trains a module with one optimizer and automatic optimization")
         self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})  # a resumed run's
-        self.healed, self.behind = None, 0
+        self.healed, self.behind, self.joining = None, 0, True
         optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
         while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
             self.manager.start_quorum()
@@ -136,14 +136,27 @@ class FaultTolerantDDP(DDPStrategy):
                 len(self.groups),
                 self.ft.replica_groups,
             )
+        self.joining = False
         if stepped:  # the live groups' step, with their gradients, here too: the weights stay equal
             clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             self.precision_plugin._clip_gradients(self.lightning_module, optimizer, *clip)  # as theirs are
             optimizer.step()
         optimizer.zero_grad()
         if self.healed is not None:
+            if stepped:
+                self._schedule_after(trainer, *self.healed)
             self._go_to(trainer, *self.healed, stepped)
             self.healed = None
+
+    def _schedule_after(self, trainer, epoch: int, done: int, step: int) -> None:
+        """The lr schedulers' calls the live groups' loop makes after the step this group joined in (Lightning's
+        rule: a step's, and an epoch's if the step ends it; a plateau's needs their metric and is left)."""
+        ends_epoch = done + 1 >= trainer.num_training_batches
+        for config in trainer.lr_scheduler_configs:
+            index = done + 1 if config.interval == "step" else epoch + 1
+            if not config.reduce_on_plateau and index % config.frequency == 0:
+                if config.interval == "step" or ends_epoch:
+                    self.lightning_module.lr_scheduler_step(config.scheduler, None)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         trainer = self.lightning_module.trainer
@@ -162,9 +175,14 @@ class FaultTolerantDDP(DDPStrategy):
                 self.ft.replica_group,
                 trainer.global_step + 1,
             )
-        if self.healed is not None:  # the others committed a step this group did not: healed, it skips their batch
-            self.behind, self.healed = self.healed[2] - trainer.global_step, None
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        if self.healed is None:
+            return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        # the others committed a step this group did not: healed from them, it skips the batches they trained since
+        self.behind, self.healed = self.healed[2] - trainer.global_step, None
+        output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        for group, own in zip(optimizer.param_groups, self.own_groups):
+            group.update(own)
+        return output
 
     def _committed(self) -> bool:
         """torchft's commit decision; its failures (no lighthouse, a quorum timed out) as one line."""
@@ -219,11 +237,17 @@ class FaultTolerantDDP(DDPStrategy):
         }
 
     def _heal(self, state: dict) -> None:
-        trainer = self.lightning_module.trainer
+        """Joining: the live group's state as it is. Mid-run (a step only this group's quorum refused), its weights and
+        optimizer, but this group's lr schedule: its loop, catching up, makes the calls theirs made (none twice)."""
+        trainer, optimizer = self.lightning_module.trainer, self.optimizers[0]
         self.lightning_module.load_state_dict(state["model"])
-        self.optimizers[0].load_state_dict(state["optimizer"])
-        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-            config.scheduler.load_state_dict(saved)
+        own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        optimizer.load_state_dict(state["optimizer"])  # its lr applies the step this group heals in
+        if self.joining:
+            for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+                config.scheduler.load_state_dict(saved)
+        else:
+            self.own_groups = own
         self.healed = [int(v) for v in state["position"]]
         log.info("replica group %d healed from a live group at step %d", self.ft.replica_group, self.healed[2])
 
