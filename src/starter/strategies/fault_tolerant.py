@@ -89,7 +89,7 @@ class FaultTolerantDDP(DDPStrategy):
         timeout = timedelta(seconds=self.ft.timeout_s)
         groups = ft.ProcessGroupNCCL if self.root_device.type == "cuda" else ft.ProcessGroupGloo
         self.manager = ft.Manager(
-            pg=_Quorum(groups, self, timeout=timeout),
+            pg=_saying_quorums(groups, self, timeout=timeout),
             load_state_dict=self._heal,
             state_dict=self._state,
             min_replica_size=self.ft.min_replicas,
@@ -101,7 +101,7 @@ class FaultTolerantDDP(DDPStrategy):
             store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
             replica_id=f"replica_group_{self.ft.replica_group}",
-            checkpoint_transport=_WeightsOnly(timeout=timeout, num_chunks=0),
+            checkpoint_transport=_weights_only_transport(timeout=timeout, num_chunks=0),
         )
 
     def on_train_start(self) -> None:
@@ -288,7 +288,7 @@ def _parameters(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _Quorum(process_group_class, strategy: FaultTolerantDDP, **kwargs):
+def _saying_quorums(process_group_class, strategy: FaultTolerantDDP, **kwargs):
     """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
 
     class Quorum(process_group_class):
@@ -309,21 +309,19 @@ def _Quorum(process_group_class, strategy: FaultTolerantDDP, **kwargs):
     return Quorum(**kwargs)
 
 
-class _WeightsOnly:
+def _weights_only_transport(**kwargs):
     """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle)."""
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
 
-    def __new__(cls, **kwargs):
-        from torchft.checkpointing._serialization import _streaming_load
-        from torchft.checkpointing.http_transport import HTTPTransport
+    class WeightsOnlyHTTP(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
 
-        class WeightsOnlyHTTP(HTTPTransport):
-            @classmethod
-            def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-                import urllib.request
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
 
-                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                    return _streaming_load(f, weights_only=True)
-
-        transport = WeightsOnlyHTTP(**kwargs)
-        transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
-        return transport
+    transport = WeightsOnlyHTTP(**kwargs)
+    transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
+    return transport
