@@ -189,7 +189,7 @@ def test_help_lists_config_groups():
         (
             ["fault_tolerance=torchft", "strategy=fsdp", "devices=2"],
             "^fault_tolerance=torchft with strategy=fsdp: "
-            "torchft averages whole gradients across replica groups; use strategy=ddp$",
+            "a replica group runs ddp \\(or one process\\) inside; use strategy=ddp$",
         ),
         (["fault_tolerance=torchft", "fault_tolerance.replica_group=2"], "=2: the groups are 0 to 1"),
         (["fault_tolerance=torchft", "precision=16-mixed"], "a joining group would not get the loss scale"),

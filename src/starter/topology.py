@@ -36,7 +36,7 @@ class Traits:
     whole_weights: bool = True  # every process holds every weight (what weight averaging needs)
     syncs_batchnorm: bool = False  # sync_batchnorm=true: BatchNorm statistics over the global batch (GPUs)
     channels_last_weights: bool = True  # conv weights may be stored NHWC (FSDP2 shards contiguous ones only)
-    fault_tolerant: Support = "torchft averages whole gradients across replica groups"  # fault_tolerance=torchft
+    fault_tolerant: Support = "a replica group runs ddp (or one process) inside"  # fault_tolerance=torchft
 
     @classmethod
     def of(cls, strategy_cfg) -> "Traits":
