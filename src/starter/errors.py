@@ -30,6 +30,13 @@ class WorkerFailed(Exception):
         self.message, self.exit_code, self.node = message, exit_code, node
 
 
+def to_stderr(line: str) -> None:
+    """`line` on stderr in one write: a process's threads (the watchdog's, the main one's) each say theirs whole, where
+    print writes a line and its end apart."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def one_line(err: BaseException) -> str:
     """The user-facing message of `err`, also when a DataLoader worker re-raised it wrapped in a traceback."""
     text = str(err).strip()
@@ -105,7 +112,7 @@ def end_without_teardown(main: Callable[[], object], interrupted_hint: str = "")
     code[0] = INTERRUPTED_EXIT_CODE
     # said once where torchrun or a scheduler started the ranks (topology.process_rank's rule)
     if next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0") == "0":
-        print(f"error: interrupted (Ctrl-C){interrupted_hint}", file=sys.stderr, flush=True)
+        to_stderr(f"error: interrupted (Ctrl-C){interrupted_hint}")
     raise SystemExit(INTERRUPTED_EXIT_CODE)
 
 

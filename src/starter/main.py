@@ -7,7 +7,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from starter.errors import (
     first_line,
     interrupted,
     one_line,
+    to_stderr,
 )
 from starter.launch.environment import started_externally
 from starter.loggers.report import shown
@@ -81,7 +81,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
             linger = linger_s(cfg.heartbeat_timeout_s)
             tell_the_other_nodes(nodes_run_id(), code, line, float(cfg.nodes_wait_s), linger, say=user_error)
         elif user_error:
-            print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+            to_stderr(f"error: {one_line(err)}")
             if plan is None and process_rank() == 0:
                 _remove_unstarted_run_dir()
         if user_error:
@@ -183,7 +183,7 @@ def launch(cfg: DictConfig, config_path: Path, plan: Plan, job: str) -> dict:
         )
     except WorkerFailed as err:
         if err.message:  # else the failing process has said why
-            print(f"error: {err.message}", file=sys.stderr, flush=True)
+            to_stderr(f"error: {err.message}")
         raise SystemExit(err.exit_code) from None
     metrics = Path(cfg.paths.output_dir) / "metrics.json"  # where the job reports figures (training does)
     return json.loads(metrics.read_text()) if node_rank() == 0 and metrics.is_file() else {}

@@ -9,7 +9,6 @@ a remote one is whole once shards.json is there. A finished set is never written
 import json
 import os
 import shutil
-import sys
 import threading
 from functools import partial
 from pathlib import Path
@@ -18,7 +17,7 @@ from omegaconf import DictConfig
 
 from starter.config_schema import check_given
 from starter.data.shard_set import DESCRIPTION, FORMAT, SPLITS, bucket_and_key, is_remote, join, read_text, s3_client
-from starter.errors import USER_ERROR_EXIT_CODE, UserError
+from starter.errors import USER_ERROR_EXIT_CODE, UserError, to_stderr
 
 
 class FileRecords:
@@ -212,5 +211,5 @@ def run(cfg: DictConfig) -> None:
         check_given(cfg)
         print(make_shards(cfg), flush=True)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        to_stderr(f"error: {err}")
         raise SystemExit(USER_ERROR_EXIT_CODE) from None

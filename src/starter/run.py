@@ -2,7 +2,6 @@
 
 import logging
 import signal
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -20,7 +19,7 @@ from starter.checkpointing.hyperparameters import PlainHyperparameters
 from starter.checkpointing.inference import SaveInference, save_full_weights
 from starter.checkpointing.init_from import load_initial_weights
 from starter.checkpointing.resume import check_checkpoint_fits
-from starter.errors import PREEMPTED_EXIT_CODE, STOP_SIGNALS, UserError, first_line, one_line
+from starter.errors import PREEMPTED_EXIT_CODE, STOP_SIGNALS, UserError, first_line, one_line, to_stderr
 from starter.launch.environment import cluster_environment, external_launcher
 from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
@@ -125,7 +124,7 @@ def stopped(cfg: DictConfig, trainer: L.Trainer, stops) -> None:
     if trainer.is_global_zero:
         cause = (stops and stops.received) or "a stop signal"
         phase, step = (stops.received_in, stops.saved_step) if stops is not None else (None, None)
-        print(f"error: {stop_line(cause, cfg.paths.output_dir, phase, step)}", file=sys.stderr, flush=True)
+        to_stderr(f"error: {stop_line(cause, cfg.paths.output_dir, phase, step)}")
         if trainer.world_size > 1:
             StopAgreement(trainer.world_size).say_told()
     raise SystemExit(PREEMPTED_EXIT_CODE) from None

@@ -4,11 +4,12 @@ have Hydra's writes (.hydra/), a journal's and the run's reads go elsewhere. A s
 scratch) is fine, and so is the link a sharded checkpoint's name is (checkpoints/last.ckpt -> a sibling)."""
 
 import os
-import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+
+from starter.errors import to_stderr
 
 
 def check_writable(directory: str) -> None:
@@ -33,7 +34,7 @@ def sibling(target: str) -> bool:
 
 
 def refuse(line: str) -> None:
-    print(f"error: {line}", file=sys.stderr, flush=True)
+    to_stderr(f"error: {line}")
     raise SystemExit(2)
 
 

@@ -4,10 +4,10 @@ nodes' store (nodes.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a req
 `ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
-import sys
 from datetime import datetime
 from functools import cache
 
+from starter.errors import to_stderr
 from starter.launch.environment import slurm_tasks
 from starter.topology import node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
@@ -26,7 +26,7 @@ def run_name(num_nodes: int = 1) -> str:
         if not torchrun_agents_share_their_store():  # no store outlives a restart to keep a stamp: the job's id
             if run_id == "none":  # torchrun's default: unrelated jobs would continue one another's directory
                 if os.environ.get("RANK", "0") == "0":
-                    print(f"error: {NO_ID}", file=sys.stderr, flush=True)
+                    to_stderr(f"error: {NO_ID}")
                 raise SystemExit(2)
             return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
         from starter.launch.watchdog import client  # torch: only when several processes must agree

@@ -11,7 +11,6 @@ runs a collective inside the signal handler and can deadlock when ranks are sign
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
-from starter.errors import PREEMPTED_EXIT_CODE
+from starter.errors import PREEMPTED_EXIT_CODE, to_stderr
 from starter.models.logging_step import is_logging_step
 from starter.topology import process_rank
 
@@ -56,7 +55,7 @@ class SaveOnSigterm(L.Callback):
             return
         if process_rank() == 0:
             line = stop_line(self.unheeded_since[0], self.path.parent.parent, self.phase)
-            print(f"error: {line}", file=sys.stderr, flush=True)
+            to_stderr(f"error: {line}")
             StopAgreement(1).say_told()
         os._exit(PREEMPTED_EXIT_CODE)
 

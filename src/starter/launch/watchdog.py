@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from starter.callbacks.stop_agreement import stop_requested
-from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line
+from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
@@ -54,7 +54,7 @@ def report(store, code: int, line: str, node: int = 0, prefix: str | None = None
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
     if first and say:
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        to_stderr(f"error: {line}")
     return first
 
 
@@ -291,11 +291,9 @@ class Watchdog:
             self.launcher_pid, self.launcher_left = None, True
         if self.rank % self.ranks_per_node == 0:
             node = self.rank // self.ranks_per_node
-            print(
+            to_stderr(
                 f"error: node {node}'s launcher ({self.parent}, pid {pid}) is gone; its workers save"
-                " checkpoints/last.ckpt and stop",
-                file=sys.stderr,
-                flush=True,
+                " checkpoints/last.ckpt and stop"
             )
         return True
 

@@ -4,14 +4,13 @@ where it wrote one (Optuna's best trial and its parameters). What is monitored, 
 config; a job directory's files supply values only (read as plain YAML and JSON, never resolved)."""
 
 import csv
-import sys
 from pathlib import Path
 
 import yaml
 from hydra.experimental.callback import Callback
 
 from starter.atomic_write import replacing
-from starter.errors import USER_ERROR_EXIT_CODE, UserError
+from starter.errors import USER_ERROR_EXIT_CODE, UserError, to_stderr
 from starter.loggers.report import shown
 from starter.untrusted import formula_safe, reading
 
@@ -21,7 +20,7 @@ class SweepSummary(Callback):
         try:
             self.summarise(config)
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            to_stderr(f"error: {err}")
             raise SystemExit(USER_ERROR_EXIT_CODE) from None
 
     def summarise(self, config) -> None:
