@@ -1,4 +1,5 @@
-"""The benchmark scripts that need hardware we lack run here in their tiny form, so they stay runnable."""
+"""The benchmark scripts that need hardware we lack run here in their tiny form, so they stay runnable; figures that
+are arithmetic on records are checked on records made up here."""
 
 import gzip
 import json
@@ -136,3 +137,16 @@ def test_the_gpu_sessions_parity_step_takes_turns_between_train_py_and_the_hand_
         assert all(rate > 0 for rate in figures["train.py images/s"] + figures["hand loop images/s"])
         assert set(figures["train.py / hand loop"]) == {"median", "min", "max", "spread", "settled"}
     assert "| parity | done" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_cost_of_a_lost_replica_counts_the_steps_trained_again_and_the_time_past_the_kill():
+    from benchmarks.fault_tolerance import KILL_AT, cost
+
+    steps = [(s, s * 0.1) for s in range(1, KILL_AT + 1)]  # 0.1 s a step up to the kill
+    steps += [(s, KILL_AT * 0.1 + 10 + (s - 20) * 0.1) for s in range(21, KILL_AT + 3)]  # back from step 20, 10 s on
+    figures = cost(steps)
+    assert figures["steps_redone"] == KILL_AT - 20  # steps 21 to 35 trained again
+    assert figures["step_s"] == pytest.approx(0.1)
+    assert figures["seconds_lost"] == pytest.approx(10 + (KILL_AT + 1 - 20) * 0.1 - 0.1)
+    survivor = [(s, s * 0.1 + (5 if s > KILL_AT else 0)) for s in range(1, 60)]  # a 5 s wait, no step again
+    assert cost(survivor)["steps_redone"] == 0 and cost(survivor)["seconds_lost"] == pytest.approx(5)
