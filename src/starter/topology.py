@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 Support = bool | str
 STORE_KEY = "starter/watchdog"
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+TORCHFT_MISSING = "fault_tolerance=torchft needs torchft: pip install -e '.[ft]'"
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def _check_fault_tolerance(cfg: DictConfig, traits: Traits) -> None:
             f"http://<replica group 0's host>:{ft.lighthouse_port} (group 0 serves it), or TORCHFT_LIGHTHOUSE"
         )
     if importlib.util.find_spec("torchft") is None:
-        raise UserError("fault_tolerance=torchft needs torchft: pip install -e '.[ft]'")
+        raise UserError(TORCHFT_MISSING)
 
 
 def data_parallel_place(trainer) -> tuple[int, int]:

@@ -19,10 +19,10 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from starter.errors import UserError
 from starter.loggers.console import file_only
+from starter.topology import TORCHFT_MISSING
 
 log = logging.getLogger(__name__)
 
-EXTRA = "fault_tolerance=torchft needs torchft: pip install -e '.[ft]'"
 LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.checkpointing.http_transport", "torchft_errors")
 FAILURES = (TimeoutError, RuntimeError, OSError)  # torchft's, when no quorum can be had
 REDOS = 10  # a step the quorum refuses this often in a row ends the run: the groups cannot agree
@@ -37,7 +37,7 @@ def torchft():
     try:
         import torchft
     except ImportError:
-        raise UserError(EXTRA) from None
+        raise UserError(TORCHFT_MISSING) from None
     return torchft
 
 
