@@ -353,11 +353,14 @@ def _entry_point(script: str):
     return module.main
 
 
-def with_env(extra: dict | None) -> dict:
-    """This environment plus `extra`; a PYTHONPATH in `extra` goes in front of the one already set."""
-    env = {**os.environ, **(extra or {})}
-    if extra and "PYTHONPATH" in extra and os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = f"{extra['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
+def with_env(extra: dict | None = None, **more: str) -> dict:
+    """The environment of every process a test starts: this one's, plus `extra` and `more`, with the checkout under
+    test first on PYTHONPATH (a PYTHONPATH given goes before it). So a child imports this checkout's `starter`, never
+    a package installed from another one."""
+    given = {**(extra or {}), **more}
+    env = {**os.environ, **given}
+    paths = [given.get("PYTHONPATH"), str(ROOT / "src"), os.environ.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path for path in paths if path))
     return env
 
 

@@ -123,13 +123,17 @@ class StepsWhileWriting(L.Callback):
 
 
 class SlowSaves(L.Callback):
-    """Every checkpoint saved after step `after` takes `seconds` longer to write, as a large model's does."""
+    """Every checkpoint saved after step `after` (`stopping`: the one a stop signal asks for) takes `seconds` longer to
+    write, as a large model's does."""
 
-    def __init__(self, seconds: float, after: int):
-        self.seconds, self.after = seconds, after
+    def __init__(self, seconds: float, after: int = 0, stopping: bool = False):
+        self.seconds, self.after, self.stopping = seconds, after, stopping
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if trainer.global_step > self.after:
+        from starter.callbacks.preemption import SaveOnSigterm
+
+        asked = SaveOnSigterm.listening is not None and SaveOnSigterm.listening.received is not None
+        if trainer.global_step > self.after and (asked or not self.stopping):
             time.sleep(self.seconds)
 
 

@@ -22,6 +22,7 @@ from conftest import (
     slurm_env,
     start_all,
     train,
+    with_env,
 )
 from starter.errors import UserError
 from starter.preflight import prepare
@@ -41,12 +42,11 @@ def test_one_task_slurm_job_gets_two_distinct_ranks_from_our_launcher(tmp_path):
 
 @pytest.mark.slow
 def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
-    import os
 
     port = free_port()
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "callbacks=state_bytes",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *SHORT]  # fmt: skip
-    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **slurm_env(2, rank)) for rank in (0, 1)]
+    envs = [with_env(slurm_env(2, rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in (0, 1)]
     outputs = start_all([(command, env) for env in envs], tmp_path)
     (run_dir,) = run_dirs(tmp_path)  # each task composed the config; both named the run after the job step
     assert run_dir.name == "slurm-4242.0" and (run_dir / "metrics.json").is_file()
@@ -58,7 +58,6 @@ def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
 
 def scheduler_env(scheduler: str, rank: int, port: int, tmp_path) -> dict:
     """What Kubeflow's PyTorchJob gives each pod, or jsrun each task of an LSF job, here for 2 one-process "nodes"."""
-    import os
     import socket
 
     if scheduler == "kubeflow":
@@ -68,7 +67,7 @@ def scheduler_env(scheduler: str, rank: int, port: int, tmp_path) -> dict:
         rankfile.write_text(f"batch\n{socket.gethostname()}\n{socket.gethostname()}\n")
         given = dict(LSB_JOBID="77", LSB_DJOB_RANKFILE=str(rankfile), JSM_NAMESPACE_LOCAL_RANK="0",
                      JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_RANK=str(rank))  # fmt: skip
-    return dict(os.environ, MASTER_PORT=str(port), **given)
+    return with_env(given, MASTER_PORT=str(port))
 
 
 @pytest.mark.slow
@@ -90,14 +89,13 @@ def test_the_ranks_kubeflow_or_lsf_start_train_as_one_process_in_one_run_directo
 def test_two_nodes_of_two_processes_each_train_as_one_process_whatever_their_run_directories(
     reference_weights, tmp_path
 ):
-    import os
 
     # each node's run directory its own (hydra.run.dir, as a job script on nodes without a shared disk pins it): the
     # nodes meet by what both are given (MASTER_ADDR, MASTER_PORT), not by a name each makes
     port = free_port()
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "num_nodes=2", *MLP_20_STEPS,
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
-    envs = {n: dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)}
+    envs = {n: with_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)}
     start_all([([*command, f"hydra.run.dir={tmp_path / f'node{n}'}"], env) for n, env in envs.items()], tmp_path)
     run_dir = tmp_path / "node0"  # rank 0's node keeps the run's outputs
     assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()

@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MLP_20_STEPS, PROBES, QUIET, ROOT, free_port, max_difference, model_weights, read_metrics, run_dirs
+from conftest import (
+    MLP_20_STEPS,
+    PROBES,
+    QUIET,
+    ROOT,
+    free_port,
+    max_difference,
+    model_weights,
+    read_metrics,
+    run_dirs,
+    with_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +36,7 @@ def group(tmp_path: Path, number: int, port: int, *overrides: str) -> subprocess
                f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.timeout_s=20",
                f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides]  # fmt: skip
     (tmp_path / f"g{number}").mkdir(parents=True, exist_ok=True)
-    env = dict(__import__("os").environ, **PROBES)
+    env = with_env(PROBES)
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

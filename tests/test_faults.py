@@ -23,6 +23,7 @@ from conftest import (
     on_cpu,
     plant,
     read_metrics,
+    reaped,
     run_dirs,
     slurm_env,
     train,
@@ -327,9 +328,14 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
     # nor collect its workers, which would train on with nobody to stop them: each sees it gone and stops as on
     # SIGTERM, every rank at one step.
     # The store went with train.py: each worker has stop_grace_s (90 s) to save and stop before its watchdog gives
-    # up on the store, however short heartbeat_timeout_s is
+    # up on the store, however short heartbeat_timeout_s is: here the save takes twice the heartbeat
     if launcher == "train.py":
-        proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=4")
+        slow = [
+            "+callbacks.slow._target_=probes.SlowSaves",
+            "+callbacks.slow.seconds=8",
+            "+callbacks.slow.stopping=true",
+        ]
+        proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=4", *slow, env=PROBES)
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
         command = [*torchrun, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *LONG_DDP[:1],
@@ -540,7 +546,7 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
 
 def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None, **popen):
     """`train.py` as node `node` of two, one process each, on localhost; `cwd` stands for the node's own disk."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+    env = with_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]  # fmt: skip
     return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True, **popen)
@@ -639,43 +645,50 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
 
 
 # full examples: end
-@pytest.mark.parametrize("launched_by,fault", [("train.py on two nodes", "SIGSTOP"), ("srun", "SIGSTOP"),
-                                               ("srun", "SIGKILL")])  # fmt: skip
-def test_a_stopped_rank_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(launched_by, fault, tmp_path):
-    # SIGSTOP: the rank neither exits nor answers (nor does its own watchdog), as a hung node; rank 0 finds it, and
-    # kills it where no launcher of ours would (srun's task: srun would wait for it). An srun task a signal killed
-    # has no launcher of ours to say so: rank 0 finds it by its closed connection.
+@pytest.mark.parametrize("fault,devices,lost", [("SIGKILL", 1, 1), ("SIGKILL", 2, 0), ("SIGSTOP", 2, 1)])
+def test_a_whole_node_lost_is_named_in_one_line_by_the_other_which_exits_124(fault, devices, lost, tmp_path):
+    # Every process of node `lost` at once (its train.py, fork server and workers), as when its machine dies
+    # (SIGKILL) or hangs or is cut off (SIGSTOP). Node 0's train.py serves the run's store, rank 0 holds the lifelines.
+    # The other node names it by how it is found: a closed connection (SIGKILL: its kernel closes them) at once, not
+    # the heartbeat; a silent one (SIGSTOP), after heartbeat_timeout_s
+    port, long = free_port(), [f"devices={devices}", "trainer.max_epochs=1000", "heartbeat_timeout_s=4"]
+    procs = [start_node(tmp_path, n, port, *long, start_new_session=True) for n in (0, 1)]
+    with reaped(*procs):
+        wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+        for rank in range(2 * devices):  # a rank that never beat gets the startup allowance (60 s)
+            wait_for_beat(port, rank=rank, run_id="nodes-0")
+        os.killpg(procs[lost].pid, signal.Signals[fault])  # its session: the node's whole process tree
+        survivor = procs[1 - lost]
+        codes, _, lines = exits([survivor], timeout=60)
+    named = f"rank {lost * devices} (node {lost})"
+    said = f"{named} is gone: its connection closed (killed, or its node lost)" if fault == "SIGKILL" else (
+        f"{named} has not answered for 4 s (killed, stopped, or its node lost)")  # fmt: skip
+    assert codes == [124] and lines == [f"error: {said}; every process of the run stops"], (codes, lines)
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_lost_srun_task_ends_the_run_within_the_heartbeat_timeout_with_a_line_naming_it(fault, tmp_path):
+    # One task per rank, each a train.py of its own; no launcher of ours. SIGSTOP: the rank neither exits nor answers
+    # (nor does its own watchdog), as a hung node; rank 0 finds it, and kills it (srun would wait for it). A task a
+    # signal killed has no launcher of ours to say so: rank 0 finds it by its closed connection.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
-    if launched_by == "srun":  # one task per rank, each a train.py of its own; no launcher of ours
-        command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
-                   f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long]  # fmt: skip
-        procs = [subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), **slurm_env(2, rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 text=True) for rank in (0, 1)]  # fmt: skip
-        stopped, node = procs[1].pid, 0
-    else:  # two processes a node: ranks 2 and 3 on node 1
-        procs, node = [start_node(tmp_path, n, port, "devices=2", *long) for n in (0, 1)], 1
-    wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-    victim_rank = 1 if launched_by == "srun" else 3
-    run_id = None if launched_by == "srun" else "nodes-0"  # torch's agent's: what every node is given alike
-    wait_for_beat(port, rank=victim_rank, run_id=run_id)  # a rank that never beat gets the startup allowance (60 s)
-    victim = stopped if launched_by != "train.py on two nodes" else worker_of_rank(procs[1], victim_rank)
-    os.kill(victim, signal.Signals[fault])
-    stopped_at = time.monotonic()
-    codes, ended, lines = exits(procs, timeout=60)
-    # within heartbeat_timeout_s + a heartbeat or two; the stopped rank killed at once (a SIGKILLed one: killed). A
-    # SIGKILLed rank's connections close with it: its lifeline names it in seconds, not after heartbeat_timeout_s
-    expected = {"srun": [124, -9]}.get(launched_by, [124, 124])
-    within = 6 + 14 if fault == "SIGSTOP" else 8
-    assert codes == expected and max(ended) - stopped_at < within, (codes, max(ended) - stopped_at, lines)
-    assert_gone_by([victim], stopped_at + within)
-    said = f"error: rank {victim_rank} (node {node}) " + (
+    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long]  # fmt: skip
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=with_env(slurm_env(2, rank), MASTER_ADDR="127.0.0.1",
+             MASTER_PORT=str(port)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]  # fmt: skip
+    with reaped(*procs):
+        wait_for_checkpoint(tmp_path, procs[0], epochs=1)
+        wait_for_beat(port, rank=1)  # a rank that never beat gets the startup allowance (60 s)
+        os.kill(procs[1].pid, signal.Signals[fault])
+        codes, _, lines = exits(procs, timeout=60)
+    # the stopped rank killed by rank 0's watchdog (a SIGKILLed one: killed); found by how it is lost, as above
+    said = "error: rank 1 (node 0) " + (
         "has not answered for 6 s (killed, stopped, or its node lost)"
         if fault == "SIGSTOP"
         else "is gone: its connection closed (killed, or its node lost)"
     )
-    # once by rank 0, which found it; on two nodes node 1's launcher says it too (read from the run's store)
-    assert lines == [f"{said}; every process of the run stops"] * (2 if launched_by == "train.py on two nodes" else 1)
+    assert codes == [124, -9] and lines == [f"{said}; every process of the run stops"], (codes, lines)
 
 
 def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):

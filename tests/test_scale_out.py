@@ -29,6 +29,7 @@ from conftest import (
     train,
     wait_for_beat,
     wait_for_checkpoint,
+    with_env,
     worker_of_rank,
 )
 
@@ -108,7 +109,7 @@ def test_an_elastic_job_takes_in_a_node_that_comes_and_goes_on_without_one_lost_
     # A round waits 5 s for more nodes once one has come (last_call_timeout; 30 s by default).
     from starter.launch.watchdog import listening
 
-    port, env = free_port(), dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **PROBES)
+    port, env = free_port(), with_env(PROBES, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
                   "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
     node = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", *rendezvous, str(ROOT / "train.py"),

@@ -4,7 +4,6 @@ number of processes and loader workers seeing each remaining sample once, a corr
 one line."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -392,7 +391,7 @@ def test_two_nodes_train_from_an_object_store_each_fetching_each_chunk_once(s3, 
     before, port = s3.gets("digits"), free_port()
     source = ["data.source=s3://shards/digits", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS]
-    rendezvous = {**os.environ, **s3.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    rendezvous = with_env(s3.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # the same command on each node; each node's own disk: its own home, where litdata keeps its cache
     nodes = [
         ([*command, *SHARDS, *source], {**rendezvous, "NODE_RANK": str(n), "HOME": str(tmp_path / f"node{n}")})

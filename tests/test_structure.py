@@ -5,6 +5,7 @@ import ast
 import subprocess
 import sys
 from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
 
 from conftest import ROOT
 
@@ -89,3 +90,14 @@ def test_a_run_of_one_process_imports_nothing_of_the_several_process_machinery(t
         if m.split(".")[-1] in ("agent", "nodes", "oversight", "worker", "watchdog", "stall", "fork_server")
     ]
     assert machinery == []
+
+
+def test_the_tests_and_their_children_import_the_checkout_under_test():
+    # whatever copy of the package is installed (another checkout's, in editable mode): every process a test starts
+    # runs this one's code (conftest.with_env), as this process does (pytest's pythonpath)
+    import starter
+    from conftest import with_env
+
+    child = subprocess.run([sys.executable, "-c", "import starter; print(starter.__file__)"], env=with_env(),
+                           cwd="/", capture_output=True, text=True, check=True)  # fmt: skip
+    assert Path(starter.__file__).parent == Path(child.stdout.strip()).parent == PACKAGE

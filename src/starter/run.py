@@ -124,6 +124,8 @@ def stopped(cfg: DictConfig, trainer: L.Trainer, stops) -> None:
     if trainer.is_global_zero:
         cause = (stops and stops.received) or "a stop signal"
         phase, step = (stops.received_in, stops.saved_step) if stops is not None else (None, None)
+        if trainer.num_nodes > 1 and stops is not None and (origin := stops.origin()):
+            cause, phase = f"{origin[0]} (sent to node {origin[1]})", origin[2]
         to_stderr(f"error: {stop_line(cause, cfg.paths.output_dir, phase, step)}")
         if trainer.world_size > 1:
             StopAgreement(trainer.world_size).say_told()

@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from starter.callbacks.stop_agreement import StopAgreement, stop_line
+from starter.callbacks.stop_agreement import StopAgreement, stop_line, stop_origin
 from starter.errors import PREEMPTED_EXIT_CODE, to_stderr
 from starter.models.logging_step import is_logging_step
 from starter.topology import process_rank
@@ -59,6 +59,15 @@ class SaveOnSigterm(L.Callback):
             StopAgreement(1).say_told()
         os._exit(PREEMPTED_EXIT_CODE)
 
+    def origin(self) -> tuple[str, int, str] | None:
+        """(signal, node, phase) where the run's stop signal arrived, as the ranks agreed it (stop_agreement.py)."""
+        if self.agreement is None:
+            return None
+        try:
+            return stop_origin(self.agreement.store(), self.agreement.prefix.rsplit("/", 1)[0])
+        except (OSError, RuntimeError):
+            return None
+
     def _request_stop(self, signum, frame) -> None:
         if self.received is None:
             self.received, self.received_in = signal.Signals(signum).name, self.phase
@@ -98,7 +107,8 @@ class SaveOnSigterm(L.Callback):
             stop = requested
         else:  # every rank gets the same answer: the store's at the agreed step (all of them know), else that of a
             # logging step's collective, where every rank takes part (where the store is gone: its launcher killed)
-            stop = requested and self.agreement.stop_at(trainer.global_step)
+            origin = f"{self.received}|{trainer.node_rank}|{self.received_in}"
+            stop = requested and self.agreement.stop_at(trainer.global_step, origin)
             if not stop and is_logging_step(trainer):
                 stop = trainer.strategy.reduce_boolean_decision(requested, all=False)
         if stop:

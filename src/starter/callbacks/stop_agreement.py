@@ -10,7 +10,8 @@ from pathlib import Path
 from starter.loggers.report import shown
 from starter.topology import key_prefix
 
-STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), what was saved
+STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), where the signal
+# arrived (`origin`), what was saved, who has read it (`read/<node>`)
 
 
 class StopAgreement:
@@ -34,18 +35,21 @@ class StopAgreement:
             self._store = TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timeout)
         return self._store
 
-    def stop_at(self, step: int) -> bool:
+    def stop_at(self, step: int, origin: str) -> bool:
         """Whether this rank, at the end of optimizer step `step`, stops (every rank gets the same answer there).
-        False where the store is gone (its launcher killed): a logging step's collective decides then."""
+        `origin`: "signal|node|phase", where this rank's request came; the first rank's is the run's (a rank its
+        watchdog relayed the request to comes after it). False where the store is gone (its launcher killed): a
+        logging step's collective decides then."""
         try:
-            return self._stop_at(step)
+            return self._stop_at(step, origin)
         except (OSError, RuntimeError):  # connection refused or reset; torch's DistNetworkError, DistStoreError
             return False
 
-    def _stop_at(self, step: int) -> bool:
+    def _stop_at(self, step: int, origin: str) -> bool:
         store = self.store()
         if not self.counted:
             store.add(f"{self.prefix}/ranks", 1)
+            store.compare_set(f"{self.prefix}/origin", "", origin)  # before `at`, which the watchdogs relay
             self.counted = True
         at = int(store.compare_set(f"{self.prefix}/at", "", str(step + 1)).decode())
         if step < at:
@@ -69,6 +73,16 @@ class StopAgreement:
             self.store().set(f"{self.prefix}/{key}", value)
         except (OSError, RuntimeError):
             pass
+
+
+def stop_origin(store, prefix: str) -> tuple[str, int, str] | None:
+    """(signal, node, phase) where the run's stop signal arrived first; None where none was agreed on."""
+    key = f"{prefix}/{STOP_KEY}/origin"
+    try:
+        signal, node, phase = store.get(key).decode().split("|", 2) if store.check([key]) else ("", "", "")
+    except Exception:  # the store is gone
+        return None
+    return (signal, int(node), phase) if node.isdigit() else None
 
 
 def stop_requested(store, prefix: str) -> bool:
@@ -103,6 +117,8 @@ def stop_line(cause: str, run_dir, phase: str | None = None, saved_step: int | N
     resume = f"resume with ckpt_path={shown(last)}"
     if saved_step is not None and step == saved_step:
         return f"stopped by {cause}{during} at step {step} after saving checkpoints/last.ckpt; {resume}"
+    if saved_step is not None and not last.parent.is_dir():  # another node's run directory: rank 0's disk
+        return f"stopped by {cause}{during} at step {saved_step}; rank 0 saved checkpoints/last.ckpt on its node"
     if step is None:
         return f"stopped by {cause}{during}; {because}nothing was saved (this run has no checkpoints/last.ckpt)"
     return f"stopped by {cause}{during}; {because}checkpoints/last.ckpt holds step {step}, saved before; {resume}"

@@ -19,6 +19,7 @@ import signal
 import time
 from pathlib import Path
 
+from starter.errors import PREEMPTED_EXIT_CODE
 from starter.fork_server import fork_server
 from starter.launch.nodes import join_nodes, meeting_config, node_store, wait_for_all_nodes
 from starter.launch.oversight import Oversight
@@ -76,15 +77,16 @@ def start_workers(
         signals_to_handle=",".join(stop_signals or ["SIGTERM"]),
         shutdown_timeout=int(grace_s),
     )
-    oversight = Oversight(store, prefix, node, devices, config_path.parent, grace_s)
+    oversight = Oversight(store, prefix, layout, config_path.parent, grace_s, linger_s)
     try:
         elastic_launch(config, work)(str(config_path), job, dict(os.environ, OMP_NUM_THREADS=str(threads)), os.getpid())
     except SignalException as stop:  # the agent forwarded it to the workers and gave them `grace_s` to end
-        raise oversight.stopped(signal.Signals(stop.sigval).name) from None
+        raise oversight.stopped(signal.Signals(stop.sigval).name, wait_s=grace_s if layout.nodes > 1 else 1.0) from None
     except ChildFailedError as err:
         failed = oversight.failed(err.failures)
         # this job serves the store: the other nodes read the failure from it first, but for the one that wrote it
-        if node == 0 and layout.nodes > 1 and not (layout.nodes == 2 and failed.node == 1):
+        stop = failed.exit_code == PREEMPTED_EXIT_CODE  # the other nodes have read it (Oversight.stopped)
+        if node == 0 and layout.nodes > 1 and not stop and not (layout.nodes == 2 and failed.node == 1):
             time.sleep(linger_s)
         raise failed from None
     finally:

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
+from starter.launch.lifeline import listener
 from starter.launch.watchdog import failure, report
 from starter.topology import key_prefix, node_rank
 
@@ -34,9 +35,11 @@ def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
     }
     for attempt in range(5):
         try:
-            _node_store = TCPStore(address, port or free_port(address), **options)
+            bound = listener(address, port or free_port(address)) if serve else None
+            at = bound.getsockname()[1] if bound else port
+            _node_store = TCPStore(address, at, **options, master_listen_fd=bound.detach() if bound else None)
             return _node_store
-        except DistNetworkError:
+        except (DistNetworkError, OSError):
             if port or attempt == 4:
                 raise  # else another process took the free port first: another
 

@@ -8,9 +8,10 @@ import threading
 import time
 from pathlib import Path
 
-from starter.callbacks.stop_agreement import saved_step, stop_line, told
+from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import failure, process_state, report, where
+from starter.launch.watchdog import answers, failure, process_state, report, where
+from starter.topology import node_rank
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
 
@@ -20,9 +21,9 @@ class Oversight:
     kills a stopped worker as soon as the agent is stopping it (it cannot act on the agent's SIGTERM, after which the
     agent waits 30 s before a SIGKILL). Not before: the agent names the first worker that ended, not one killed here."""
 
-    def __init__(self, store, prefix: str, node: int, per_node: int, run_dir: Path, grace_s: float):
-        self.store, self.prefix, self.node, self.per_node = store, prefix, node, per_node
-        self.run_dir, self.grace_s = run_dir, grace_s
+    def __init__(self, store, prefix: str, layout, run_dir: Path, grace_s: float, linger_s: float):
+        self.store, self.prefix, self.node, self.per_node = store, prefix, node_rank(), layout.processes_per_node
+        self.nodes, self.run_dir, self.grace_s, self.linger_s = layout.nodes, run_dir, grace_s, linger_s
         self.reported_failure: WorkerFailed | None = None
         self.pids: dict[int, int] = {}  # rank: pid, of this node's workers
         self.stopping = threading.Event()
@@ -46,19 +47,38 @@ class Oversight:
 
     def stopped(self, cause: str, wait_s: float = 1.0) -> WorkerFailed:
         """What a stop ended with (a worker's exit 143; a stop signal to the launcher, `cause`, after the agent gave
-        the workers stop_grace_s to save and end): no line where rank 0 has said the run's (waited for `wait_s`),
-        else the one stop_line from what rank 0 said it saved and what is on disk."""
+        the workers stop_grace_s to save and end). Rank 0 says the run's line on node 0 (waited for `wait_s`, while
+        the store answers); every other node says it too, with where the signal arrived, from what rank 0 said it
+        saved and what is on disk. The store's holder (node 0) stays until every node has read it (`linger_s`), and
+        no node calls a store that has gone (torch would print its C++ traces)."""
         deadline = time.monotonic() + wait_s
-        while not told(self.store, self.prefix) and time.monotonic() < deadline:
+        while answers(self.store) and not told(self.store, self.prefix) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if told(self.store, self.prefix):
-            return WorkerFailed(None, PREEMPTED_EXIT_CODE)
-        step, why, phase = saved_step(self.store, self.prefix), "", None
-        if step is None and cause != "a stop signal" and not self._began():
+        if not answers(self.store):
+            origin = step = None
+        else:
+            origin, step = stop_origin(self.store, self.prefix), saved_step(self.store, self.prefix)
+            if self.node == 0 and told(self.store, self.prefix):  # rank 0 said the run's line here
+                self._wait_for_the_other_nodes()
+                return WorkerFailed(None, PREEMPTED_EXIT_CODE)
+            self.store.set(f"{self.prefix}/{STOP_KEY}/read/{self.node}", "")
+        phase, why = None, ""
+        if origin is not None:
+            cause, phase = f"{origin[0]} (sent to node {origin[1]})", origin[2]
+        elif step is None and cause != "a stop signal" and not self._began():
             phase = "the workers' start"  # they had nothing to save: ended at the signal
         elif step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
             why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
+        if self.node == 0:
+            self._wait_for_the_other_nodes()
         return WorkerFailed(stop_line(cause, self.run_dir, phase, step, why), PREEMPTED_EXIT_CODE)
+
+    def _wait_for_the_other_nodes(self) -> None:
+        """Node 0 serves the store: until every other node has read how the run stopped, at most `linger_s`."""
+        read = [f"{self.prefix}/{STOP_KEY}/read/{node}" for node in range(1, self.nodes)]
+        deadline = time.monotonic() + self.linger_s
+        while read and not self.store.check(read) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _began(self) -> bool:
         """Whether a worker of this node began a batch (the count its watchdog beats into the store: stall.py)."""
@@ -67,7 +87,9 @@ class Oversight:
             for rank in range(self.node * self.per_node, (self.node + 1) * self.per_node)
         ]
         try:
-            return any(self.store.check([key]) and self.store.get(key).decode().split("|")[0] != "0" for key in keys)
+            return not answers(self.store) or any(
+                self.store.check([key]) and self.store.get(key).decode().split("|")[0] != "0" for key in keys
+            )
         except Exception:  # the store is gone
             return True
 
@@ -93,7 +115,7 @@ class Oversight:
         """The pids this node's workers published in the store (their watchdogs' first beat), each read once: the
         store may be another node's, and a worker's pid does not change (the agent restarts none)."""
         first = self.node * self.per_node
-        for rank in range(first, first + self.per_node):
+        for rank in range(first, first + self.per_node) if answers(self.store) else ():
             key = f"{self.prefix}/process/{rank}"
             try:
                 if rank not in self.pids and self.store.check([key]):

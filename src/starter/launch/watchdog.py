@@ -25,7 +25,7 @@ from pathlib import Path
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
 from starter.launch.environment import cluster_environment
-from starter.launch.lifeline import Lifeline
+from starter.launch.lifeline import Lifeline, listener
 from starter.launch.stall import Stall, main_thread_at, read_progress
 from starter.topology import key_prefix, torchrun_agents_share_their_store
 
@@ -50,7 +50,7 @@ def report(store, code: int, line: str, node: int = 0, prefix: str | None = None
     first. `node`: the node whose process met it (another node's launcher says it too)."""
     mine = f"{code}|{node}|{line}"
     try:
-        first = store is None or store.compare_set(f"{prefix or key_prefix()}/failed", "", mine).decode() == mine
+        first = not answers(store) or store.compare_set(f"{prefix or key_prefix()}/failed", "", mine).decode() == mine
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
     if first and say:
@@ -63,7 +63,7 @@ def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
     ended: the watchdogs say why)."""
     key = f"{prefix or key_prefix()}/failed"
     try:
-        if store is None or not store.check([key]):
+        if not answers(store) or not store.check([key]):
             return None
         code, node, line = store.get(key).decode().split("|", 2)
     except Exception:
@@ -72,10 +72,13 @@ def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
 
 
 def serve_store(address: str, port: int = 0):
-    """A store at `port` (0: one the OS picks), held for as long as the returned object lives."""
+    """A store at `port` (0: one the OS picks) on `address` (lifeline.listener), held for as long as the returned
+    object lives."""
     from torch.distributed import TCPStore
 
-    return TCPStore(address, port, is_master=True, wait_for_workers=False)
+    bound = listener(address, port)
+    port = bound.getsockname()[1]
+    return TCPStore(address, port, is_master=True, wait_for_workers=False, master_listen_fd=bound.detach())
 
 
 def client(address: str, port: int, timeout_s: float):
@@ -85,6 +88,12 @@ def client(address: str, port: int, timeout_s: float):
     if not listening(address, port):
         raise ConnectionError(f"no store answers at {address}:{port}")
     return TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def answers(store) -> bool:
+    """Whether the server of `store` (a client's, or one served here) accepts connections: a call to one that has
+    gone prints torch's C++ traces, and nothing can be read from it anyway."""
+    return store is not None and listening(store.host, store.port)
 
 
 def listening(address: str, port: int) -> bool:
@@ -219,13 +228,16 @@ class Watchdog:
                 os.kill(os.getpid(), self.stop_signal)
             lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
             if lost and not self.stopping.wait(1.0):  # a second for a launcher, or the process itself, to say why
-                if self.parent == "train.py" and runs_here(store, f"{prefix}/process/{lost[0]}"):
-                    self._leave((failure(store) or (LOST_EXIT_CODE,))[0])  # its launcher, beside it, names its signal
+                beside = self.parent == "train.py" and self._same_node(lost[0])  # its launcher names its signal
+                deadline = time.monotonic() + (5.0 if beside else 0.0)
+                while not failure(store) and time.monotonic() < deadline and not self.stopping.wait(0.1):
+                    pass
                 line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
-                report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops")
+                say = answers(store) or self.rank % self.ranks_per_node == 0  # store gone: one line a node
+                report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops", say=say)
                 self._leave((failure(store) or (LOST_EXIT_CODE,))[0])
             try:
-                if store is None:
+                if not answers(store):  # none yet, or its server gone: never called then (torch's C++ traces)
                     store = client(self.address, self.port, self.timeout_s)
                     store.set(f"{prefix}/process/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
                 if not relayed and stop_requested(store, prefix):  # a stop signal that reached other ranks only
@@ -261,6 +273,11 @@ class Watchdog:
                 self.answered, self.ever_answered = time.monotonic(), True
             except (OSError, RuntimeError):  # the store unreachable (torch's store errors): retried; the timer ends
                 store = None  # this process if it stays so
+
+    def _same_node(self, rank: int) -> bool:
+        """Whether `rank` is this process's node's (its launcher is then this one's; a whole node lost is another):
+        by node rank, not host name, as several "nodes" may share a host."""
+        return rank // self.ranks_per_node == self.rank // self.ranks_per_node
 
     def _stop_if_asked(self) -> None:
         """The stop signals that came since the last beat, told the run's stop handling (SaveOnSigterm.unheeded)."""
@@ -323,14 +340,6 @@ class Watchdog:
     def _linger(self) -> None:
         if self.serves_store:
             time.sleep(linger_s(self.timeout_s))
-
-
-def runs_here(store, key: str) -> bool:
-    """Whether the process a rank published under `key` ("host pid") runs on this host."""
-    try:
-        return store is not None and store.check([key]) and store.get(key).decode().split()[0] == socket.gethostname()
-    except (OSError, RuntimeError):
-        return False
 
 
 def kill_if_stopped_here(store, key: str) -> None:
