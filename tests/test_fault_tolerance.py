@@ -101,7 +101,11 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     ends = [line.split() for line in (tmp_path / "steps0").read_text().splitlines()]
     steps, times = [int(s) for s, _ in ends], [float(t) for _, t in ends]
     assert steps == list(range(1, 96))  # one process, never restarted: every step once, in order
-    assert max(b - a for a, b in zip(times, times[1:])) < HEARTBEAT_S + 3  # the loss cost a heartbeat, once
+    # the loss cost a heartbeat, once, at the loss: no other pause as long, none past a heartbeat and a few steps
+    # (the bound in steps of its own, which load stretches alike)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    longest = max(range(len(gaps)), key=gaps.__getitem__)
+    assert steps[longest + 1] in (10, 11) and gaps[longest] < HEARTBEAT_S + 10 * sorted(gaps)[len(gaps) // 2], gaps
     assert said.count("replica group 1 lost: training on with 1 of 2") == 1
     assert said.index("replica group 1 lost") < said.rindex("replica group 1 joined: training on with 2 of 2")
     healed = [line for line in said_back.splitlines() if "replica group 1 healed from a live group at step" in line]
@@ -117,3 +121,24 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     metrics = [read_metrics(r) for r in runs]
     assert metrics[0]["test/acc"] == metrics[1]["test/acc"] > 0.9  # an uninterrupted run: 0.94
     assert "Traceback" not in said + said_back
+
+
+@pytest.mark.parametrize("done", [3, 4])
+def test_a_group_joining_in_a_step_makes_the_scheduler_calls_the_live_groups_loop_makes_after_it(done):
+    # 5 batches an epoch; the step joined in is the epoch's 4th (done=3) or its last (done=4): the live groups' loop
+    # then steps a per-step schedule once, and a per-epoch one only after the last. Missing the epoch's call leaves the
+    # joining group's lr an epoch behind the others' for the rest of the run.
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    from starter.strategies.fault_tolerant import FaultTolerantDDP
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    per_step, per_epoch = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=1) for _ in range(2))
+    configs = [LRSchedulerConfig(per_step, interval="step"), LRSchedulerConfig(per_epoch, interval="epoch")]
+    trainer = SimpleNamespace(num_training_batches=5, lr_scheduler_configs=configs)
+    module = SimpleNamespace(lr_scheduler_step=lambda scheduler, metric: scheduler.step())
+    FaultTolerantDDP._schedule_after(SimpleNamespace(lightning_module=module), trainer, epoch=2, done=done, step=13)
+    assert (per_step.last_epoch, per_epoch.last_epoch) == (1, 1 if done == 4 else 0)

@@ -258,3 +258,26 @@ def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):
     train(tmp_path, "strategy=fsdp", "devices=2", "accelerator=cpu")
     fsdp, single = read_metrics(run_dirs(tmp_path)[0]), read_metrics(default_run[1])
     assert abs(fsdp["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9 and fsdp["test/acc"] >= 0.95
+
+
+def test_sharding_units_stay_units_where_nothing_is_tied_and_a_ties_owners_shard_together():
+    # A unit is FSDP2's granule of all-gather and free: losing one costs memory and speed, never the weights, so only
+    # counting them shows it. resnet18: the stem conv, 8 residual blocks and the head; a tie (a decoder sharing its
+    # encoder's weight) takes its two owners out of the units, into the group around them, and leaves the rest.
+    from torch import nn
+    from torchvision.models import resnet18
+
+    from starter.strategies.fsdp import DEFAULT_UNITS, sharding_units, tied
+
+    module = nn.Module()
+    module.net = resnet18()
+    units, roots = tied(module, sharding_units(module, DEFAULT_UNITS))
+    assert len(units) == 10 and roots == [[module.net]]
+    module.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    module.net[4].weight = module.net[0].weight
+    units, roots = tied(module, sharding_units(module, DEFAULT_UNITS))
+    assert units == [module.net[2]] and roots == [[module.net]]
+    module.head = nn.Linear(8, 8)  # a tie across the module's children: the module is the one group
+    module.head.weight = module.net[0].weight
+    units, roots = tied(module, sharding_units(module, DEFAULT_UNITS))
+    assert units == [module.net[2]] and roots == [[module]]

@@ -196,6 +196,24 @@ def test_class_names_reach_the_predictions_as_text_never_a_formula(run, digit_fi
     assert f"'{formula}" in cells and not any(cell.startswith("=") for cell in cells), proc.stdout
 
 
+@pytest.mark.parametrize("prefix", ["=", "+", "-", "@", "\t", "\r"])
+def test_every_csv_the_starter_writes_shows_a_cell_that_would_start_a_formula_as_text(prefix, tmp_path):
+    # predictions.csv (a record's class names, the input paths) and a sweep's summary.csv (overrides, the metric's
+    # name, job directories): whatever text a file or a user gave, a spreadsheet opening them runs nothing
+    from starter.loggers.sweep_summary import write_summary
+    from starter.predict import write_predictions
+
+    formula = f'{prefix}HYPERLINK("http://example.com","click")'
+    classes = [formula, *"abcdef"]  # more than 5: the top-5 column too
+    write_predictions(tmp_path / "predictions.csv", [(0, [0, 1, 2, 3, 4], [0.5] * 5)], [formula], classes)
+    row = {"job": 0, "overrides": formula, "value": -0.5, "best": True, "run_dir": formula}
+    write_summary(tmp_path / "summary.csv", [row], monitor=formula)
+    for written in ("predictions.csv", "summary.csv"):
+        with open(tmp_path / written, newline="") as f:
+            cells = [cell for line in csv.reader(f) for cell in line if "HYPERLINK" in cell]
+        assert len(cells) == 3 and all(cell.startswith(f"'{prefix}") for cell in cells), (written, cells)
+
+
 def test_a_train_false_test_of_weights_whose_head_does_not_fit_is_refused(run, tmp_path):
     proc = train(tmp_path, "train=false", f"init_from={run / 'checkpoints' / 'model.pt'}", "data.num_classes=5",
                  expect_ok=False)  # fmt: skip

@@ -88,4 +88,5 @@ def write_summary(path: Path, rows: list[dict], monitor: str) -> None:
         out.writerow(["job", "overrides", formula_safe(monitor), "best", "run_dir"])
         for row in rows:
             value = "" if row["value"] is None else row["value"]
-            out.writerow([row["job"], formula_safe(row["overrides"]), value, int(row["best"]), str(row["run_dir"])])
+            text = [formula_safe(row["overrides"]), formula_safe(str(row["run_dir"]))]
+            out.writerow([row["job"], text[0], value, int(row["best"]), text[1]])
