@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from starter.launch.nodes import free_port  # noqa: F401 (the tests' too)
 from starter.run_name import run_name
+from starter.run_store import free_port  # noqa: F401 (the tests' too)
 
 if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)  # as train.py does, for runs made here

@@ -132,7 +132,8 @@ def test_srun_with_another_task_count_than_devices_is_refused(tmp_path, monkeypa
 def test_srun_rank_0_says_when_the_stores_port_is_taken(monkeypatch):
     # srun's rank 0 serves the run's store at MASTER_PORT (else a port from the job id), which another job on the
     # node may hold: a line saying what to set, not a traceback while the other tasks wait.
-    from starter.launch.watchdog import serve_store, watch_external_ranks
+    from starter.launch.watchdog import watch_external_ranks
+    from starter.run_store import serve_store
 
     taken = serve_store("127.0.0.1")
     for name, value in slurm_env(2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.port)).items():
@@ -173,7 +174,7 @@ def test_a_stall_is_judged_inside_loops_only_and_names_the_ranks_behind_or_every
 
 def test_each_ranks_progress_is_read_from_the_store_once_every_rank_has_said_it():
     from starter.launch.stall import read_progress
-    from starter.launch.watchdog import serve_store
+    from starter.run_store import serve_store
 
     store = serve_store("127.0.0.1")
     store.set("run/progress/0", "12|1|")
@@ -274,7 +275,8 @@ print(asked, torch.cuda.is_initialized(), "lightning.pytorch" in sys.modules)
 
 
 def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_the_store(capsys):
-    from starter.launch.watchdog import client, failure, report, serve_store
+    from starter.launch.watchdog import failure, report
+    from starter.run_store import client, serve_store
 
     served = serve_store("127.0.0.1")
     other = client("127.0.0.1", served.port, timeout_s=5)
@@ -288,7 +290,8 @@ def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_th
 def test_a_node_that_never_starts_is_one_line_naming_it_after_the_wait_and_one_that_failed_is_its_line():
     from starter.errors import WorkerFailed
     from starter.launch.nodes import wait_for_all_nodes
-    from starter.launch.watchdog import report, serve_store
+    from starter.launch.watchdog import report
+    from starter.run_store import serve_store
     from starter.topology import key_prefix
 
     store, prefix = serve_store("127.0.0.1"), key_prefix("run")

@@ -107,7 +107,7 @@ def test_an_elastic_job_takes_in_a_node_that_comes_and_goes_on_without_one_lost_
     # waiting for its round's MASTER_ADDR). Node A trains alone; node B comes and A's agent restarts A's worker with
     # it (1 -> 2); then B's agent and worker are SIGKILLed (its kernel panics): A names it and goes on alone (2 -> 1).
     # A round waits 5 s for more nodes once one has come (last_call_timeout; 30 s by default).
-    from starter.launch.watchdog import listening
+    from starter.run_store import listening
 
     port, env = free_port(), with_env(PROBES, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",

@@ -97,7 +97,7 @@ def listening(pid: int) -> list[tuple[str, int]]:
 
 
 def test_strangers_on_the_runs_ports_and_store_change_nothing_and_a_sigkilled_worker_is_named_by_its_signal(tmp_path):
-    from starter.launch.watchdog import client
+    from starter.run_store import client
 
     proc = start(tmp_path, "strategy=ddp", "devices=2", "trainer.max_epochs=1000", *QUIET)
     wait_for_checkpoint(tmp_path, proc, epochs=1)
@@ -131,7 +131,7 @@ def listening_only(pid: int) -> list[int]:
 
 def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_or_floods_and_names_one_that_closes():
     from starter.launch.lifeline import PENDING, Lifeline
-    from starter.launch.watchdog import client, serve_store
+    from starter.run_store import client, serve_store
 
     store = serve_store("127.0.0.1")
     rank_0 = Lifeline(store, "run", "127.0.0.1", 0)
@@ -170,8 +170,9 @@ def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_or_flood
 
 WATCHDOG_FAILS = """
 import time
+from starter import run_store
 from starter.launch import lifeline, watchdog
-store = watchdog.serve_store("127.0.0.1")
+store = run_store.serve_store("127.0.0.1")
 lifeline.Lifeline.gone = lambda self: 1 / 0  # a bug in the beat thread
 watchdog.Watchdog("127.0.0.1", store.port, 0, 2, 2, 10, 60, "node 0's train.py")
 time.sleep(30)

@@ -14,7 +14,7 @@ ENTRY_POINTS = {"main", "predict", "export"}
 ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "declared", "atomic_write", "run_directory", "fork_server", "fork_server_exit"},
+    {"errors", "declared", "atomic_write", "run_directory", "fork_server", "fork_server_exit", "run_store"},
     {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema", "untrusted"},
     {"data", "launch"},
     {"strategies"},

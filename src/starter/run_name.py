@@ -29,7 +29,7 @@ def run_name(num_nodes: int = 1) -> str:
                     to_stderr(f"error: {NO_ID}")
                 raise SystemExit(2)
             return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
-        from starter.launch.watchdog import client  # torch: only when several processes must agree
+        from starter.run_store import client  # torch: only when several processes must agree
 
         store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's
         return _share(store, f"{KEY}/{run_id}", stamp, first=int(os.environ["RANK"]) == 0)

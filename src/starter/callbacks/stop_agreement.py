@@ -3,11 +3,10 @@ nothing read from the device, and nothing at all until a signal arrives; and the
 Lightning-free: the launcher and the watchdogs read what it writes."""
 
 import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 from starter.loggers.report import shown
+from starter.run_store import client
 from starter.topology import key_prefix
 
 STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), where the signal
@@ -26,13 +25,7 @@ class StopAgreement:
 
     def store(self):
         if self._store is None:  # every process of the run reaches its store there (launch/)
-            from torch.distributed import TCPStore
-
-            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            with socket.create_connection((address, port), timeout=2):
-                pass  # a store that is gone refuses at once (a client would retry until its timeout)
-            timeout = timedelta(seconds=10)
-            self._store = TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timeout)
+            self._store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=10)
         return self._store
 
     def stop_at(self, step: int, origin: str) -> bool:

@@ -3,38 +3,21 @@ seconds: its operating system closes its sockets when it ends (SIGKILLed, or its
 peer's beat, waiting on it, reads the end at once. One that leaves on its own says "bye" first. One alive but silent
 (stopped, hung in C) keeps it open: the heartbeat names it.
 
-Rank 0 listens where its peers reach it (the run's address), on a port the OS picks, published in the run's store. Each
-rank proves who it is with a token of its own that only its connection carries: the store holds the token's hash,
-never the token, so nothing read from the store lets a stranger speak for a rank. A connection that does not prove a
-rank not yet connected within seconds (a port scan, a stranger, a replay) is closed and changes nothing; at most
-`PENDING` wait to prove it at once (a flood of connections closes the oldest, never runs out of descriptors)."""
+Rank 0 listens where its peers reach it, on a port published in the run's store. Each rank proves who it is with a
+token only its connection carries (the store holds the token's hash): a connection that proves no rank not yet
+connected within seconds (a port scan, a stranger, a replay of what the store holds) is closed and changes nothing;
+at most `PENDING` wait at once (a flood closes the oldest, never exhausts descriptors)."""
 
-import errno
 import hashlib
-import ipaddress
 import secrets
 import selectors
 import socket
 import time
 
+from starter.run_store import listener
+
 HELLO_S = 5.0  # how long a new connection has to say who it is
 PENDING = 64  # connections yet to say who they are, at most
-
-
-def listener(address: str, port: int = 0) -> socket.socket:
-    """A socket listening at `port` (0: one the OS picks) on `address`, where the run's peers reach it, not on every
-    interface. A name this host does not hold (one routed to it), or maps to a loopback address while the peers are
-    told it (Debian's 127.0.1.1 for its own name): every interface."""
-    try:
-        ip = socket.gethostbyname(address)
-        if ipaddress.ip_address(ip).is_loopback and address not in (ip, "localhost"):
-            raise OSError(errno.EADDRNOTAVAIL, "a name mapped to loopback")
-        return socket.create_server((ip, port))
-    except OSError as err:
-        if err.errno == errno.EADDRINUSE:
-            raise
-        dual = socket.has_dualstack_ipv6()
-        return socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual)
 
 
 def proof(token: str) -> str:
@@ -42,10 +25,12 @@ def proof(token: str) -> str:
 
 
 class Lifeline:
-    def __init__(self, store, prefix: str, address: str, rank: int):
+    def __init__(self, store, prefix: str, address: str, rank: int, wakeup: socket.socket | None = None):
         self.store, self.prefix, self.rank = store, prefix, rank
         self.peers, self.unknown = {}, {}  # rank -> socket; socket -> when it connected
         self.selector = selectors.DefaultSelector()  # poll, not select(): any descriptor number, any count
+        if wakeup is not None:  # the watchdog's: a signal came
+            self.selector.register(wakeup, selectors.EVENT_READ)
         if rank == 0:
             self.server = listener(address)
             self.server.setblocking(False)
@@ -55,7 +40,8 @@ class Lifeline:
             token = secrets.token_hex(16)
             store.set(f"{prefix}/lifeline/proof/{rank}", proof(token))
             port = int(store.get(f"{prefix}/lifeline").decode())  # rank 0's, published
-            self._watch(0, socket.create_connection((address, port), timeout=10))
+            self.peers[0] = socket.create_connection((address, port), timeout=10)
+            self.selector.register(self.peers[0], selectors.EVENT_READ)
             self.peers[0].sendall(f"{rank} {token}\n".encode())
 
     def gone(self) -> list[int]:
@@ -63,24 +49,19 @@ class Lifeline:
         while self.rank == 0:  # those that connected prove who they are before they count
             try:
                 peer, _ = self.server.accept()
-            except (BlockingIOError, OSError):
+            except OSError:  # none waits (BlockingIOError)
                 break
             if len(self.unknown) >= PENDING:  # the oldest makes room: a rank says who it is as it connects
-                oldest = min(self.unknown, key=self.unknown.get)
-                del self.unknown[oldest]
-                self._drop(oldest)
+                self._drop(min(self.unknown, key=self.unknown.get))
             self.unknown[peer] = time.monotonic()
             self.selector.register(peer, selectors.EVENT_READ)
         ready = self._ready()
-        for peer in [p for p in self.unknown if p in ready]:
-            del self.unknown[peer]
-            if (rank := self._proven(self._read(peer))) is not None:
+        for peer, since in list(self.unknown.items()):
+            if peer in ready and (rank := self._proven(self._read(peer))) is not None:
+                del self.unknown[peer]
                 self.peers[rank] = peer
-            else:
+            elif peer in ready or time.monotonic() - since > HELLO_S:
                 self._drop(peer)
-        for peer in [p for p, since in self.unknown.items() if time.monotonic() - since > HELLO_S]:
-            del self.unknown[peer]
-            self._drop(peer)
         closed, ready = [], self._ready()  # again: a hello read above is not a peer's word
         for rank, peer in [(rank, peer) for rank, peer in self.peers.items() if peer in ready]:
             data = self._read(peer)
@@ -107,14 +88,12 @@ class Lifeline:
         """The connections a read from would not wait on (data, or their end)."""
         try:
             return {key.fileobj for key, _ in self.selector.select(0)}
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # closed by close()
             return set()
 
-    def _watch(self, rank: int, peer) -> None:
-        self.peers[rank] = peer
-        self.selector.register(peer, selectors.EVENT_READ)
-
     def _drop(self, peer) -> None:
+        """A connection watched no more (it is forgotten if it had not said who it is)."""
+        self.unknown.pop(peer, None)
         try:
             self.selector.unregister(peer)
         except (KeyError, ValueError):
@@ -128,20 +107,15 @@ class Lifeline:
         except OSError:  # reset
             return b""
 
-    def wait(self, seconds: float, *also) -> None:
-        """Until a peer says something or closes (or a rank connects, or one of `also` is readable), at most
-        `seconds`."""
+    def wait(self, seconds: float) -> None:
+        """Until a peer says something or closes (or a rank connects, or `wakeup` is readable), at most `seconds`."""
         try:
-            for extra in also:
-                if extra not in (key.fileobj for key in self.selector.get_map().values()):
-                    self.selector.register(extra, selectors.EVENT_READ)
             self.selector.select(seconds)
         except (OSError, ValueError, KeyError, RuntimeError):  # closed by close(): this process is leaving
             pass
 
     def close(self) -> None:
-        """This process leaves on its own: its peers are told, then its connections closed (the main thread's call,
-        while the beat thread may read them: it works on a copy)."""
+        """This process leaves on its own: its peers told, its connections closed (from a copy: the beat reads them)."""
         peers, self.peers = list(self.peers.values()), {}
         for peer in peers:
             try:

@@ -5,14 +5,13 @@ is missing, has failed, or runs another config, and a node's failure told to the
 import hashlib
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
-from starter.launch.lifeline import listener
 from starter.launch.watchdog import failure, report
+from starter.run_store import free_port, serve_store
 from starter.topology import key_prefix, node_rank
 
 _node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
@@ -27,27 +26,17 @@ def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
     global _node_store
     from torch.distributed import DistNetworkError, TCPStore
 
-    options = {
-        "is_master": serve,
-        "wait_for_workers": False,
-        "multi_tenant": True,
-        "timeout": timedelta(seconds=timeout_s),
-    }
+    timeout = timedelta(seconds=timeout_s)
     for attempt in range(5):
         try:
-            bound = listener(address, port or free_port(address)) if serve else None
-            at = bound.getsockname()[1] if bound else port
-            _node_store = TCPStore(address, at, **options, master_listen_fd=bound.detach() if bound else None)
+            if not serve:
+                _node_store = TCPStore(address, port, wait_for_workers=False, multi_tenant=True, timeout=timeout)
+            else:
+                _node_store = serve_store(address, port or free_port(address), multi_tenant=True, timeout=timeout)
             return _node_store
         except (DistNetworkError, OSError):
             if port or attempt == 4:
                 raise  # else another process took the free port first: another
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
 
 
 def node_store():

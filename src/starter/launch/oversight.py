@@ -1,6 +1,7 @@
 """What torch's elastic agent does not do, done beside it in the job: end this node's workers when another node's
-process has reported a failure, kill a worker that is stopped (it cannot act on the agent's SIGTERM), and name the
-first failure in one line."""
+process has reported a failure; kill a stopped worker as soon as the agent is stopping it (it cannot act on the agent's
+SIGTERM, after which the agent waits 30 s before a SIGKILL; not before: the agent names the first worker that ended,
+not one killed here); name the first failure, and how a stop ended, in one line."""
 
 import os
 import signal
@@ -10,17 +11,14 @@ from pathlib import Path
 
 from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import answers, failure, process_state, report, where
+from starter.launch.watchdog import failure, process_state, report, where
+from starter.run_store import answers
 from starter.topology import node_rank
 
 STOPPED = ("T", "t")  # process states of a process that cannot act on a signal: stopped, or held by a debugger
 
 
 class Oversight:
-    """What the agent does not do: ends this node's workers when another node's process has reported a failure, and
-    kills a stopped worker as soon as the agent is stopping it (it cannot act on the agent's SIGTERM, after which the
-    agent waits 30 s before a SIGKILL). Not before: the agent names the first worker that ended, not one killed here."""
-
     def __init__(self, store, prefix: str, layout, run_dir: Path, grace_s: float, linger_s: float):
         self.store, self.prefix, self.node, self.per_node = store, prefix, node_rank(), layout.processes_per_node
         self.nodes, self.run_dir, self.grace_s, self.linger_s = layout.nodes, run_dir, grace_s, linger_s
@@ -47,21 +45,23 @@ class Oversight:
 
     def stopped(self, cause: str, wait_s: float = 1.0) -> WorkerFailed:
         """What a stop ended with (a worker's exit 143; a stop signal to the launcher, `cause`, after the agent gave
-        the workers stop_grace_s to save and end). Rank 0 says the run's line on node 0 (waited for `wait_s`, while
-        the store answers); every other node says it too, with where the signal arrived, from what rank 0 said it
-        saved and what is on disk. The store's holder (node 0) stays until every node has read it (`linger_s`), and
-        no node calls a store that has gone (torch would print its C++ traces)."""
+        the workers stop_grace_s to save and end): rank 0's line on node 0 (waited for `wait_s`), on every other node
+        the same, from where the signal arrived, what rank 0 said it saved and what is on disk. Node 0 holds the store
+        until every node has read it; no node calls it once it has gone (torch would print its C++ traces)."""
         deadline = time.monotonic() + wait_s
         while answers(self.store) and not told(self.store, self.prefix) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not answers(self.store):
-            origin = step = None
-        else:
-            origin, step = stop_origin(self.store, self.prefix), saved_step(self.store, self.prefix)
-            if self.node == 0 and told(self.store, self.prefix):  # rank 0 said the run's line here
-                self._wait_for_the_other_nodes()
-                return WorkerFailed(None, PREEMPTED_EXIT_CODE)
+        alive = answers(self.store)
+        origin, step = (
+            (stop_origin(self.store, self.prefix), saved_step(self.store, self.prefix)) if alive else [None] * 2
+        )
+        said = alive and self.node == 0 and told(self.store, self.prefix)  # by rank 0, here
+        if alive:
             self.store.set(f"{self.prefix}/{STOP_KEY}/read/{self.node}", "")
+        if self.node == 0:
+            self._wait_for_the_other_nodes()
+        if said:
+            return WorkerFailed(None, PREEMPTED_EXIT_CODE)
         phase, why = None, ""
         if origin is not None:
             cause, phase = f"{origin[0]} (sent to node {origin[1]})", origin[2]
@@ -69,8 +69,6 @@ class Oversight:
             phase = "the workers' start"  # they had nothing to save: ended at the signal
         elif step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
             why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
-        if self.node == 0:
-            self._wait_for_the_other_nodes()
         return WorkerFailed(stop_line(cause, self.run_dir, phase, step, why), PREEMPTED_EXIT_CODE)
 
     def _wait_for_the_other_nodes(self) -> None:
@@ -82,10 +80,8 @@ class Oversight:
 
     def _began(self) -> bool:
         """Whether a worker of this node began a batch (the count its watchdog beats into the store: stall.py)."""
-        keys = [
-            f"{self.prefix}/progress/{rank}"
-            for rank in range(self.node * self.per_node, (self.node + 1) * self.per_node)
-        ]
+        first = self.node * self.per_node
+        keys = [f"{self.prefix}/progress/{rank}" for rank in range(first, first + self.per_node)]
         try:
             return not answers(self.store) or any(
                 self.store.check([key]) and self.store.get(key).decode().split("|")[0] != "0" for key in keys
@@ -115,10 +111,11 @@ class Oversight:
         """The pids this node's workers published in the store (their watchdogs' first beat), each read once: the
         store may be another node's, and a worker's pid does not change (the agent restarts none)."""
         first = self.node * self.per_node
-        for rank in range(first, first + self.per_node) if answers(self.store) else ():
+        missing = [rank for rank in range(first, first + self.per_node) if rank not in self.pids]
+        for rank in missing if missing and answers(self.store) else ():  # no call to a store that has gone
             key = f"{self.prefix}/process/{rank}"
             try:
-                if rank not in self.pids and self.store.check([key]):
+                if self.store.check([key]):
                     self.pids[rank] = int(self.store.get(key).decode().split()[1])
             except Exception:
                 break  # the store is gone: the watchdogs say so

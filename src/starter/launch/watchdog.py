@@ -18,18 +18,19 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
 from starter.launch.environment import cluster_environment
-from starter.launch.lifeline import Lifeline, listener
+from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
+from starter.run_store import answers, client, serve_store
 from starter.topology import key_prefix, torchrun_agents_share_their_store
 
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
+STOPS = "every process of the run stops"
 
 
 def interval_s(timeout_s: float) -> float:
@@ -71,41 +72,6 @@ def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
     return int(code), line, int(node)
 
 
-def serve_store(address: str, port: int = 0):
-    """A store at `port` (0: one the OS picks) on `address` (lifeline.listener), held for as long as the returned
-    object lives."""
-    from torch.distributed import TCPStore
-
-    bound = listener(address, port)
-    port = bound.getsockname()[1]
-    return TCPStore(address, port, is_master=True, wait_for_workers=False, master_listen_fd=bound.detach())
-
-
-def client(address: str, port: int, timeout_s: float):
-    """A client of the store at address:port; raises at once where nothing listens (a client would retry)."""
-    from torch.distributed import TCPStore
-
-    if not listening(address, port):
-        raise ConnectionError(f"no store answers at {address}:{port}")
-    return TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-
-
-def answers(store) -> bool:
-    """Whether the server of `store` (a client's, or one served here) accepts connections: a call to one that has
-    gone prints torch's C++ traces, and nothing can be read from it anyway."""
-    return store is not None and listening(store.host, store.port)
-
-
-def listening(address: str, port: int) -> bool:
-    """Whether a server accepts connections at address:port. (A socket connected to itself, which a local port of
-    the ephemeral range with no listener can give, is not one.)"""
-    try:
-        with socket.create_connection((address, port), timeout=2) as probe:
-            return probe.getsockname() != probe.getpeername()
-    except OSError:
-        return False
-
-
 class Watchdog:
     def __init__(
         self,
@@ -125,10 +91,9 @@ class Watchdog:
     ):
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the process that
         started this one (`parent`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
-        and stop (`stop_signal`, within `stop_grace_s`). Where train.py's agent is not the launcher (torchrun, srun),
-        nothing else would kill a stopped rank, so the watchdog that names it does. A stop signal wakes the beat (the
-        main thread may wait in C, in a rendezvous or a collective, where no Python handler runs): a run that has
-        nothing to save yet ends then (callbacks/preemption.py)."""
+        and stop (`stop_signal`, within `stop_grace_s`); where it is not train.py, the watchdog that names a stopped
+        rank kills it. A stop signal wakes the beat (the main thread may wait in C, a rendezvous or a collective,
+        where no Python handler runs): a run that has nothing to save yet ends then (callbacks/preemption.py)."""
         self.address, self.port, self.rank, self.world = address, port, rank, world
         self.ranks_per_node, self.timeout_s, self.serves_store = ranks_per_node, float(timeout_s), serves_store
         self.stall_timeout_s = float(stall_timeout_s)
@@ -217,7 +182,7 @@ class Watchdog:
         relayed = False  # another rank's stop request, to this one (callbacks/stop_agreement.py)
         while not self.stopping.is_set():
             if self.lifeline is not None:  # it wakes the beat at once where a peer's closes; a stop signal does too
-                self.lifeline.wait(wait, self.signals)
+                self.lifeline.wait(wait)
             else:
                 select.select([self.signals], [], [], wait)
             if self.stopping.is_set():
@@ -228,13 +193,14 @@ class Watchdog:
                 os.kill(os.getpid(), self.stop_signal)
             lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
             if lost and not self.stopping.wait(1.0):  # a second for a launcher, or the process itself, to say why
-                beside = self.parent == "train.py" and self._same_node(lost[0])  # its launcher names its signal
+                node = self.rank // self.ranks_per_node  # its node's (not host's) launcher names its signal:
+                beside = self.parent == "train.py" and lost[0] // self.ranks_per_node == node  # waited for
                 deadline = time.monotonic() + (5.0 if beside else 0.0)
                 while not failure(store) and time.monotonic() < deadline and not self.stopping.wait(0.1):
                     pass
-                line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed (killed, or its node"
+                line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed"
                 say = answers(store) or self.rank % self.ranks_per_node == 0  # store gone: one line a node
-                report(store, LOST_EXIT_CODE, f"{line} lost); every process of the run stops", say=say)
+                report(store, LOST_EXIT_CODE, f"{line} (killed, or its node lost); {STOPS}", node, say=say)
                 self._leave((failure(store) or (LOST_EXIT_CODE,))[0])
             try:
                 if not answers(store):  # none yet, or its server gone: never called then (torch's C++ traces)
@@ -249,7 +215,7 @@ class Watchdog:
                     self._leave(found[0])
                 now = time.monotonic()
                 if self.lifeline is None and (self.rank == 0 or store.check([f"{prefix}/lifeline"])):
-                    self.lifeline = Lifeline(store, prefix, self.address, self.rank)
+                    self.lifeline = Lifeline(store, prefix, self.address, self.rank, self.signals)
                 if self.rank == 0 and (line := stall.check(read_progress(store, prefix, self.world), now)):
                     report(store, LOST_EXIT_CODE, line)
                     self._leave(failure(store)[0])
@@ -260,12 +226,9 @@ class Watchdog:
                     if counter != seen[rank][0]:
                         seen[rank] = (counter, now)
                     elif now - seen[rank][1] > allowed and not self.stopping.is_set():
-                        lost = where(rank, self.ranks_per_node)
+                        line = f"{where(rank, self.ranks_per_node)} has not answered for {allowed:.0f} s (killed,"
                         report(
-                            store,
-                            LOST_EXIT_CODE,
-                            f"{lost} has not answered for {allowed:.0f} s"
-                            " (killed, stopped, or its node lost); every process of the run stops",
+                            store, LOST_EXIT_CODE, f"{line} stopped, or its node lost); every process of the run stops"
                         )
                         if self.kills_stopped_peers:
                             kill_if_stopped_here(store, f"{prefix}/process/{rank}")
@@ -273,11 +236,6 @@ class Watchdog:
                 self.answered, self.ever_answered = time.monotonic(), True
             except (OSError, RuntimeError):  # the store unreachable (torch's store errors): retried; the timer ends
                 store = None  # this process if it stays so
-
-    def _same_node(self, rank: int) -> bool:
-        """Whether `rank` is this process's node's (its launcher is then this one's; a whole node lost is another):
-        by node rank, not host name, as several "nodes" may share a host."""
-        return rank // self.ranks_per_node == self.rank // self.ranks_per_node
 
     def _stop_if_asked(self) -> None:
         """The stop signals that came since the last beat, told the run's stop handling (SaveOnSigterm.unheeded)."""
@@ -320,12 +278,9 @@ class Watchdog:
             if self.launcher_left:  # its store went with it: stop_grace_s to save
                 allowed = max(allowed, self.stop_grace_s)
             if time.monotonic() - self.answered > allowed + self.interval:
-                print(
-                    f"error: {self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
-                    f" not answered for {allowed:.0f} s (killed, stopped, or its node lost); every process"
-                    " of the run stops",
-                    file=sys.stderr,
-                    flush=True,
+                holder = f"{self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
+                to_stderr(
+                    f"error: {holder} not answered for {allowed:.0f} s (killed, stopped, or its node lost); {STOPS}"
                 )
                 os._exit(LOST_EXIT_CODE)
 
