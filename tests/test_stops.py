@@ -3,6 +3,7 @@
 by its signal; a stranger on a port of the run changes nothing; a full disk is one line with what was saved whole."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -199,16 +200,27 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
-def test_a_full_disk_is_one_line_naming_the_file_and_what_was_saved_resumes(small_disk, tmp_path):
-    # each checkpoint about 1 MB (the MLP with Adam's state): the first epoch's two fit, the next one's do not
-    wide = ["debug=limit", "trainer.max_epochs=6"]
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["strategy=fsdp"], ["strategy=pp", "devices=2", "strategy.async_save=false"]],
+    ids=["one file", "fsdp, sharded while training goes on", "pp on 2 processes, sharded"],
+)
+def test_a_full_disk_is_one_line_naming_the_file_and_what_was_saved_resumes(mode, small_disk, tmp_path):
+    # each checkpoint about 1 MB (the MLP with Adam's state): the first epoch's two fit, the next one's do not; a
+    # sharded one is a directory (its shards, .metadata, meta.pt), a name repointed only once it is whole
+    wide = ["debug=limit", "trainer.max_epochs=6", *mode]
     proc = train(tmp_path, *wide, f"hydra.run.dir={small_disk / 'run'}", expect_ok=False)
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # once, however many ranks
+    line = re.sub(r"^error: rank \d+ \(node \d+\): ", "error: ", line)  # several: the rank that met it first
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert line.startswith(f"error: no space left on device writing {small_disk / 'run' / 'checkpoints'}/")
     assert line.endswith("; what was saved before is whole: make room and resume with ckpt_path=auto")
     last = small_disk / "run" / "checkpoints" / "last.ckpt"
-    saved = torch.load(last, weights_only=True)["epoch"]
+    saved = checkpoint_epoch(last)
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
     resumed = train(tmp_path, *wide, "ckpt_path=auto", f"hydra.run.dir={small_disk / 'run'}")
-    assert torch.load(last, weights_only=True)["epoch"] == 5 > saved and "test/acc" in resumed.stdout
+    assert checkpoint_epoch(last) == 5 > saved and "test/acc" in resumed.stdout
+
+
+def checkpoint_epoch(path: Path) -> int:
+    return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["epoch"]

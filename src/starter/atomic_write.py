@@ -36,7 +36,7 @@ def room_for(path):
     before is whole, as every save writes a new file (or directory) and renames it into place."""
     try:
         yield
-    except Exception as err:
+    except BaseException as err:  # torch's CheckpointException is one
         if not out_of_room(err):
             raise
         raise UserError(
@@ -47,8 +47,11 @@ def room_for(path):
 
 def out_of_room(err: BaseException | None) -> bool:
     """Whether `err` (or what it was raised from: torch's writer says a RuntimeError after the OSError; a sharded
-    save, each rank's failure) is ENOSPC or EDQUOT."""
+    save, each rank's failure) is ENOSPC or EDQUOT, or torch's zip writer finding bytes it wrote lost (a buffered
+    write to a full disk: "unexpected pos", the OSError swallowed)."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(err, RuntimeError) and "inline_container" in str(err) and "unexpected pos" in str(err):
         return True
     failures = [failure[0] for failure in getattr(err, "failures", {}).values()]  # torch's CheckpointException
     return err is not None and any(map(out_of_room, [err.__cause__ or err.__context__, *failures]))

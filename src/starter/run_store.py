@@ -43,6 +43,14 @@ def client(address: str, port: int, timeout_s: float):
     return TCPStore(address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
+def reach(address: str, port: int, timeout_s: float):
+    """client(), or None where no store answers there."""
+    try:
+        return client(address, port, timeout_s)
+    except Exception:  # nothing listens, or it went as it was reached (torch's DistNetworkError)
+        return None
+
+
 def answers(store) -> bool:
     """Whether the server of `store` (a client's, or one served here) accepts connections."""
     return store is not None and listening(store.host, store.port)

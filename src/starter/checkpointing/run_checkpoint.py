@@ -42,3 +42,9 @@ class RunCheckpoint(Restored, ModelCheckpoint):
             }
         super().load_state_dict(state_dict | paths | {"best_k_models": best, "dirpath": self.dirpath})
         self.best_k_models.pop("", None)
+        if self.best_k_models and self.kth_best_model_path not in self.best_k_models:  # dropped: the kept decide
+            worst, best = (max, min) if self.mode == "min" else (min, max)
+            self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+            self.best_model_path = best(self.best_k_models, key=self.best_k_models.get)
+            self.best_model_score = self.best_k_models[self.best_model_path]

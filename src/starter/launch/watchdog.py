@@ -26,7 +26,7 @@ from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, int
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
-from starter.run_store import answers, client, serve_store
+from starter.run_store import answers, client, reach, serve_store
 from starter.topology import key_prefix, torchrun_agents_share_their_store
 
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
@@ -64,12 +64,10 @@ def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
     ended: the watchdogs say why)."""
     key = f"{prefix or key_prefix()}/failed"
     try:
-        if not answers(store) or not store.check([key]):
-            return None
-        code, node, line = store.get(key).decode().split("|", 2)
-    except Exception:
+        code, node, line = store.get(key).decode().split("|", 2) if answers(store) and store.check([key]) else "||"
+        return int(code), line, int(node)
+    except Exception:  # none reported (int("")), or the store went meanwhile
         return None
-    return int(code), line, int(node)
 
 
 class Watchdog:
@@ -114,11 +112,8 @@ class Watchdog:
 
     def report(self, code: int, line: str) -> None:
         """This process met an error: tell every other process (and print the line if the first)."""
-        try:
-            store = client(self.address, self.port, self.timeout_s)
-        except Exception:
-            store = None
-        report(store, code, f"{where(self.rank, self.ranks_per_node)}: {line}", self.rank // self.ranks_per_node)
+        store, node = reach(self.address, self.port, self.timeout_s), self.rank // self.ranks_per_node
+        report(store, code, f"{where(self.rank, self.ranks_per_node)}: {line}", node)
         self._linger()
 
     @contextmanager
@@ -149,12 +144,11 @@ class Watchdog:
         deadline, reached = time.monotonic() + wait_s, False
         while True:
             try:
-                found = failure(client(self.address, self.port, timeout_s=2))
-                reached = True
-                if found:
-                    return found
+                found, reached = failure(client(self.address, self.port, timeout_s=2)), True
             except Exception:
-                pass
+                found = None
+            if found:
+                return found
             if time.monotonic() >= deadline:
                 return None if reached or not wait_s else (1, "the run's store is gone", 0)
             time.sleep(0.2)
@@ -193,11 +187,10 @@ class Watchdog:
                 os.kill(os.getpid(), self.stop_signal)
             lost = self.lifeline.gone() if self.lifeline is not None else []  # first: the one gone may hold the store
             if lost and not self.stopping.wait(1.0):  # a second for a launcher, or the process itself, to say why
-                node = self.rank // self.ranks_per_node  # its node's (not host's) launcher names its signal:
-                beside = self.parent == "train.py" and lost[0] // self.ranks_per_node == node  # waited for
-                deadline = time.monotonic() + (5.0 if beside else 0.0)
-                while not failure(store) and time.monotonic() < deadline and not self.stopping.wait(0.1):
-                    pass
+                node = self.rank // self.ranks_per_node  # a peer of its node (not host) that ended: its launcher
+                pid = pid_here(store, lost[0]) if lost[0] // self.ranks_per_node == node else None
+                if self.parent == "train.py" and pid and gone(pid):
+                    self._leave((failure(store) or (LOST_EXIT_CODE,))[0])  # names its signal once this one left
                 line = f"{where(lost[0], self.ranks_per_node)} is gone: its connection closed"
                 say = answers(store) or self.rank % self.ranks_per_node == 0  # store gone: one line a node
                 report(store, LOST_EXIT_CODE, f"{line} (killed, or its node lost); {STOPS}", node, say=say)
@@ -231,7 +224,7 @@ class Watchdog:
                             store, LOST_EXIT_CODE, f"{line} stopped, or its node lost); every process of the run stops"
                         )
                         if self.kills_stopped_peers:
-                            kill_if_stopped_here(store, f"{prefix}/process/{rank}")
+                            kill_if_stopped_here(store, rank)
                         self._leave(failure(store)[0])
                 self.answered, self.ever_answered = time.monotonic(), True
             except (OSError, RuntimeError):  # the store unreachable (torch's store errors): retried; the timer ends
@@ -297,14 +290,21 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
-def kill_if_stopped_here(store, key: str) -> None:
-    """SIGKILL the process a rank published under `key` ("host pid") if it runs on this host and is stopped."""
-    if not store.check([key]):  # it never beat
-        return
-    host, pid = store.get(key).decode().split()
-    if host == socket.gethostname() and process_state(int(pid)) == "T":  # not "t": a debugger holds it
+def pid_here(store, rank: int) -> int | None:
+    """The pid of the process of `rank` (its first beat publishes "host pid"), where it runs on this host."""
+    key = f"{key_prefix()}/process/{rank}"
+    try:
+        host, pid = store.get(key).decode().split() if answers(store) and store.check([key]) else ("", "")
+    except (OSError, RuntimeError):
+        return None
+    return int(pid) if host == socket.gethostname() else None
+
+
+def kill_if_stopped_here(store, rank: int) -> None:
+    """SIGKILL the process of `rank` if it runs on this host and is stopped ("T"; not "t": a debugger holds it)."""
+    if (pid := pid_here(store, rank)) and process_state(pid) == "T":
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass  # gone meanwhile, or not ours to kill
 

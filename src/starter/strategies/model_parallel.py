@@ -90,27 +90,40 @@ class OutsideModelParallel(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix. With
         `async_save`, the shards are copied to memory and a thread writes them while training goes on; `filepath`
-        moves once every rank's are written, at the next save or load, or when the stage ends."""
+        moves once every rank's are written, at the next save or load, or when the stage ends. A full disk is one
+        line (atomic_write.room_for), the last whole checkpoint still named."""
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self.finish_saving()
         link = Path(filepath)
         version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
-        if not self.async_save:
-            with room_for(link):
-                super().save_checkpoint(checkpoint, link.parent / version, storage_options)
-            self.barrier()  # every shard written
-            if self.is_global_zero:
-                point_atomically(link, version)
-            return self.barrier()
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        with room_for(link):
+            (link.parent / version).mkdir(parents=True, exist_ok=True)
+            if self.async_save:
+                self._save_meta(checkpoint, link.parent / version)
+                self._write_async(state, link, version)
+                return
+            from torch.distributed.checkpoint import save
+
+            save(state, checkpoint_id=link.parent / version)
+            self._save_meta(checkpoint, link.parent / version)
+        self.barrier()  # every shard written
+        if self.is_global_zero:
+            point_atomically(link, version)
+        return self.barrier()
+
+    def _save_meta(self, checkpoint: dict, directory: Path) -> None:
+        """The rest, as Lightning writes it, by rank 0: through a file object, so that a full disk is an OSError."""
+        if self.is_global_zero:
+            with open(directory / "meta.pt", "wb") as file:
+                torch.save(checkpoint, file)
+
+    def _write_async(self, state: dict, link: Path, version: str) -> None:
         from torch.distributed import new_group
         from torch.distributed.checkpoint import async_save
 
-        (link.parent / version).mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.is_global_zero:
-            torch.save(checkpoint, link.parent / version / "meta.pt")  # the rest, as Lightning writes it
         # a group of its own: the writing thread's collectives must not interleave with training's (and need gloo)
         if self.saving_group is None:
             self.saving_group = new_group(backend="gloo")
