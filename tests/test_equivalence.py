@@ -38,6 +38,15 @@ def single_eval(trained, tmp_path_factory):
     return read_metrics(run_dirs(tmp_path)[0])
 
 
+def test_train_false_evaluates_a_runs_model_pt_as_the_weights_it_holds(trained, tmp_path):
+    # model.pt, the final weights the README names, holds no training state: tested as init_from= tests it
+    weights = trained.parent / "model.pt"
+    by_ckpt_path = train(tmp_path / "a", "train=false", f"ckpt_path={weights}", "accelerator=cpu")
+    train(tmp_path / "b", "train=false", f"init_from={weights}", "accelerator=cpu")
+    assert f"ckpt_path={weights} holds weights only: tested as init_from tests them" in by_ckpt_path.stdout
+    assert read_metrics(run_dirs(tmp_path / "a")[0]) == read_metrics(run_dirs(tmp_path / "b")[0])
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "pp"])
 def test_evaluation_on_an_odd_test_split_is_exact_under_every_strategy(trained, single_eval, strategy, tmp_path):
     train(tmp_path, "train=false", f"ckpt_path={trained}", f"strategy={strategy}", "devices=2", "accelerator=cpu")

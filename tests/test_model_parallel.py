@@ -202,6 +202,25 @@ def test_what_model_parallelism_cannot_run_is_refused_before_launch(overrides, m
         prepare(compose_config(["devices=2", "accelerator=cpu", *overrides], tmp_path))
 
 
+def test_tensor_parallel_refuses_a_net_whose_split_layer_shares_its_weight_in_one_line():
+    # tp, fsdp over tp and 3D all split through split_layers, before any weight moves: a decoder tied to an encoder's
+    # weight would become two tensors, each split its own way (or one split, one whole)
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from starter.strategies.tp import split_layers
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    net[5].weight = net[3].weight  # net.3 split row-wise, net.5 left whole: one parameter
+    with pytest.raises(UserError) as refused:
+        split_layers(net, SimpleNamespace(size=lambda: 2))
+    assert str(refused.value) == (
+        "tensor parallel would split Sequential.3 and Sequential.5, which share a parameter (tied weights), into two"
+        " tensors; untie them or train with strategy=fsdp or ddp"
+    )
+
+
 def test_a_pipeline_that_would_split_tied_weights_between_stages_is_refused_in_one_line():
     from torch import nn
 

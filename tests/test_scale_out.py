@@ -242,8 +242,15 @@ def test_an_interrupted_optuna_sweep_continues_its_study_from_the_journal(tmp_pa
     train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}")
     first = (sweep / "0" / "metrics.json").read_text()
     assert (sweep / "optuna.journal").is_file() and OmegaConf.load(sweep / "optimization_results.yaml").trials == 1
-    # the same command again, asking for 3 trials: the one finished is kept (not run again), 2 more are run
-    train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}")
+    # killed while Optuna held its journal's lock (a symlink beside it, made by Optuna's own lock), a minute ago
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    JournalFileSymlinkLock(str(sweep / "optuna.journal")).acquire()
+    os.utime(sweep / "optuna.journal", (time.time() - 60,) * 2)
+    # the same command again, asking for 3 trials: the lock cleared as Optuna clears a stale one, the one trial
+    # finished kept (not run again), 2 more run
+    again = train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}")
+    assert f"{sweep / 'optuna.journal.lock'}: a stale lock of the journal" in again.stdout
     assert (sweep / "0" / "metrics.json").read_text() == first
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
     assert OmegaConf.load(sweep / "optimization_results.yaml").trials == 3

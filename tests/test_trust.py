@@ -81,6 +81,41 @@ def test_a_copied_run_directory_continues_in_place_saving_last_and_best_again(ru
     assert "dropped" not in proc.stdout  # its own files, named relative to its folder
 
 
+def test_a_checkpoint_whose_kth_best_lies_outside_its_run_continues_from_the_best_it_keeps(run, tmp_path):
+    theirs, outside = copy_of(run, tmp_path), str(tmp_path / "x.ckpt")
+
+    def kth_outside(saved):  # its k-th best (the one a better one replaces) outside, beside one of its own
+        state = callback_state(saved, "BestCheckpoint")
+        state |= {"kth_best_model_path": outside, "best_k_models": {outside: 0.0, "best.ckpt": state["kth_value"]}}
+
+    tamper(theirs / "checkpoints" / "last.ckpt", kth_outside)
+    train(tmp_path, "ckpt_path=auto", f"hydra.run.dir={theirs}", "debug=limit", "trainer.max_epochs=3")
+    assert torch.load(theirs / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 2
+
+
+@pytest.mark.parametrize("name,made", [("metrics.csv", "bytes"), ("metrics.csv", "another header"),
+                                       ("train.log", "a folder"), ("metrics.json", "a folder"),
+                                       ("learning_curves.png", "a folder")])  # fmt: skip
+def test_a_file_of_a_run_directory_to_continue_that_no_run_wrote_is_one_line_before_training(name, made, run, tmp_path):
+    theirs = copy_of(run, tmp_path)
+    last, entry = theirs / "checkpoints" / "last.ckpt", theirs / name
+    before = last.stat().st_mtime_ns
+    entry.unlink()
+    if made == "a folder":
+        entry.mkdir()
+        said = f"error: {entry} is not a file, and the run writes one there; a run directory to continue holds what a"
+    elif made == "bytes":
+        entry.write_bytes(bytes(range(256)))
+        said = f"error: hydra.run.dir={theirs}: its metrics.csv is malformed ("
+    else:
+        with open(entry, "w", newline="") as f:
+            csv.writer(f).writerows([["loss", "when"], ["0.5", "yesterday"]])
+        said = f"error: hydra.run.dir={theirs}: its metrics.csv is malformed ("
+    proc = train(tmp_path, "ckpt_path=auto", f"hydra.run.dir={theirs}", *TWO_EPOCHS, expect_ok=False)
+    assert error_line(proc).startswith(said), error_line(proc)
+    assert last.stat().st_mtime_ns == before  # nothing trained, nothing saved
+
+
 @pytest.mark.parametrize("entry", ["checkpoints", "checkpoints/old.ckpt", ".hydra/config.yaml", ".hydra/hydra.yaml"])
 def test_a_run_directory_holding_a_symlink_is_refused_before_anything_is_written_or_read(run, entry, tmp_path):
     theirs, elsewhere = copy_of(run, tmp_path), tmp_path / "elsewhere"
@@ -260,6 +295,23 @@ def test_a_sweep_directory_whose_journal_is_a_symlink_is_refused_before_a_job(tm
     assert not target.exists() and not [p for p in sweep.iterdir() if p.name != "optuna.journal"]
     with pytest.raises(SystemExit):  # the sweeper's own check, for a journal given as storage
         check_journal(sweep / "optuna.journal")
+
+
+def test_a_journal_lock_that_leads_outside_its_sweep_is_refused_and_a_live_ones_is_left_to_optuna(tmp_path):
+    sweep, target = tmp_path / "sweep", tmp_path / "elsewhere.journal"
+    sweep.mkdir()
+    (sweep / "optuna.journal.lock").symlink_to(target)  # not the lock Optuna makes: it leads outside
+    proc = train(tmp_path, "-m", "hparams_search=optuna", f"hydra.sweep.dir={sweep}", expect_ok=False)
+    assert error_line(proc).startswith(f"error: {sweep / 'optuna.journal.lock'} is a symlink;")
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    from starter.run_directory import check_real_tree
+
+    (sweep / "optuna.journal.lock").unlink()
+    (sweep / "optuna.journal").write_text("")  # just written: a live sweep's lock
+    JournalFileSymlinkLock(str(sweep / "optuna.journal")).acquire()
+    check_real_tree(sweep)
+    assert (sweep / "optuna.journal.lock").is_symlink()
 
 
 def test_a_journal_whose_study_goes_the_other_way_is_refused_in_one_line(tmp_path):

@@ -3,20 +3,23 @@ place in one pass (its values; its data; devices, layout and launcher; what it r
 (topology.Plan). Anything a user can get wrong fails here, in one line."""
 
 import importlib.util
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from starter.checkpointing.resume import check_sharded, resolve_ckpt_path, saved_config
+from starter.checkpointing.resume import check_sharded, holds_weights_only, resolve_ckpt_path, saved_config
 from starter.config_schema import check_schema
 from starter.data.settle import settle_data
 from starter.errors import UserError
 from starter.launch.environment import launch_plan
 from starter.loggers.lifecycle import wandb_run_id
+from starter.loggers.report import metric_series
 from starter.strategies.pipeline_plan import check_cut, check_pipeline, pipelined
 from starter.topology import Plan, lay_out
 from starter.untrusted import model_config_dirs
 
+log = logging.getLogger(__name__)
 LOGGER_PACKAGES = {"mlflow": "loggers", "wandb": "loggers", "tensorboard": "tensorboard"}  # logger: its extra
 
 
@@ -32,11 +35,16 @@ def prepare(cfg: DictConfig) -> Plan:
                 f"logger={name} needs the {name} package: pip install -e '.[{LOGGER_PACKAGES[name]}]'"
                 f" (or pip install {name})"
             )
+    if not cfg.train and cfg.ckpt_path not in (None, "auto", "last") and holds_weights_only(Path(cfg.ckpt_path)):
+        log.info("ckpt_path=%s holds weights only: tested as init_from tests them", cfg.ckpt_path)
+        cfg.init_from, cfg.ckpt_path = cfg.ckpt_path, None  # a run's model.pt, the final weights
     if cfg.get("init_from"):
         if not Path(cfg.init_from).is_file():
             raise UserError(f"init_from={cfg.init_from}: no such file")
         with open_dict(cfg):  # what may rebuild a model, for the workers (which have no Hydra run to read it from)
             cfg.model_config_dirs = model_config_dirs()
+    if (metrics := Path(cfg.paths.output_dir) / "metrics.csv").is_file():  # a run continued: read before training
+        metric_series(metrics)
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
     saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
     if path is not None:

@@ -4,6 +4,7 @@ have Hydra's writes (.hydra/), a journal's and the run's reads go elsewhere. A s
 scratch) is fine, and so is the link a sharded checkpoint's name is (checkpoints/last.ckpt -> a sibling)."""
 
 import os
+import time
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -26,7 +27,35 @@ def check_real_tree(directory: Path) -> None:
         for name in [*folders, *files]:
             entry = Path(folder) / name
             if entry.is_symlink() and not (Path(folder).name == "checkpoints" and sibling(os.readlink(entry))):
+                if journal_lock(entry):  # Optuna's: its stale one cleared as Optuna clears it
+                    clear_if_stale(entry)
+                    continue
                 refuse(f"{entry} is a symlink; a run or sweep directory to continue holds none: give another one")
+    for entry in [*(directory / name for name in WRITTEN), *directory.glob("*.log")]:
+        if entry.exists() and not entry.is_file() and not entry.is_symlink():
+            refuse(f"{entry} is not a file, and the run writes one there; a run directory to continue holds what a"
+                   " run wrote: give another one")  # fmt: skip
+
+
+LOCK_GRACE_S = 30  # Optuna's JournalFileSymlinkLock's default grace_period
+# what a run writes there, besides <job>.log
+WRITTEN = ("config.yaml", "metrics.csv", "metrics.json", "learning_curves.png", "checkpoints/model.pt",
+           ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")  # fmt: skip
+
+
+def journal_lock(entry: Path) -> bool:
+    """Optuna's lock of a journal (JournalFileSymlinkLock): `<journal>.lock`, a symlink to the journal beside it."""
+    target = os.path.normpath(os.path.join(entry.parent, os.readlink(entry)))
+    return entry.name.endswith(".journal.lock") and target == str(entry.with_suffix("").absolute())
+
+
+def clear_if_stale(lock: Path) -> None:
+    """A lock whose journal has not changed for Optuna's grace period (a sweep killed while it held it) is removed,
+    as Optuna would remove it after that long; a live sweep's is left to it."""
+    journal = lock.with_suffix("")
+    if not journal.is_file() or time.time() - journal.stat().st_mtime > LOCK_GRACE_S:
+        lock.unlink()
+        print(f"{lock}: a stale lock of the journal (unchanged for {LOCK_GRACE_S} s or more), removed", flush=True)
 
 
 def sibling(target: str) -> bool:

@@ -11,6 +11,7 @@ as a config here declares it at that place; other keys only where a config decla
 interpolation, no URL or path), a key no config declares left out (said in the log); `_args_` never. What fetches or
 reads weights is switched off: the checkpoint's own weights are loaded after the build."""
 
+import csv
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ READS = {"cache_dir", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overl
 SCALARS = (type(None), bool, int, float, str)
 MAPPING = object()  # declared as a mapping (its keys declared below it)
 # what parsing a malformed file raises: a key missing, a value of another type or out of range, a file cut short
-MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, EOFError, OverflowError)
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, EOFError, OverflowError, csv.Error)
 
 
 @contextmanager

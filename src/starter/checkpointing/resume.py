@@ -60,6 +60,18 @@ def checkpoint_named(spec: str, log_dir: Path) -> Path:
     return path
 
 
+def holds_weights_only(path: Path) -> bool:
+    """A weights file (a run's model.pt: {"state_dict", "inference"}, or a plain state dict), no Lightning checkpoint
+    to resume or test as one."""
+    import torch
+
+    if not path.is_file():
+        return False
+    with reading(path):
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return isinstance(saved, dict) and "pytorch-lightning_version" not in saved
+
+
 def is_sharded(path: Path) -> bool:
     """A sharded checkpoint (fsdp, tp, pp): a directory holding Lightning's meta.pt beside the shards."""
     return path.is_dir() and (path / "meta.pt").is_file()

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from starter.atomic_write import replacing
+from starter.untrusted import reading
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,7 @@ def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
     blank where a metric has no value)."""
     from matplotlib.figure import Figure  # not pyplot: no backend or global figure state
 
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            for name, value in row.items():
-                if name not in ("epoch", "step") and value not in ("", None):
-                    series.setdefault(name, []).append((int(row["step"]), float(value)))
+    series = metric_series(csv_path)
     fig = Figure(figsize=(10, 4))
     ax_loss, ax_monitor = fig.subplots(1, 2)
     for name in ("train/loss", "val/loss"):
@@ -63,6 +59,18 @@ def plot_learning_curves(csv_path: Path, png_path: Path, monitor: str) -> None:
     fig.tight_layout()
     with replacing(png_path, "wb") as file:
         fig.savefig(file, dpi=100, format="png")
+
+
+def metric_series(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{metric: [(step, value), ...]} of a metrics.csv; a file another wrote (not text, no step column, a value that
+    is no number) is one line naming it, read before a run continues it (preflight.py)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with reading(csv_path.parent, "hydra.run.dir", csv_path.name), open(csv_path, newline="") as f:
+        for row in csv.DictReader(f):
+            for name, value in row.items():
+                if name not in ("epoch", "step") and value not in ("", None):
+                    series.setdefault(name, []).append((int(row["step"]), float(value)))
+    return series
 
 
 def log_model_summary(model, image_shape) -> None:

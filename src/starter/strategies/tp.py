@@ -64,6 +64,22 @@ def check_splits(net: nn.Module, plan: dict, size: int) -> None:
                 )
 
 
+def check_no_split_ties(net: nn.Module, plan: dict) -> None:
+    """A layer the plan splits shares no parameter with another module (tied weights): each owner would split it its
+    own way, two tensors where there was one."""
+    owners: dict[int, list[str]] = {}
+    for name, module in net.named_modules(remove_duplicate=False):
+        for parameter in module.parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append(name)
+    for names in owners.values():
+        if len(names) > 1 and any(name in plan for name in names):
+            a, b = (f"{type(net).__name__}.{name}" for name in names[:2])
+            raise UserError(
+                f"tensor parallel would split {a} and {b}, which share a parameter (tied weights), into two tensors;"
+                " untie them or train with strategy=fsdp or ddp"
+            )
+
+
 def apply_tensor_parallel(module: nn.Module, mesh) -> None:
     """Split the layers of every net inside the LightningModule over `mesh`; nothing to split is refused."""
     nets = [child for child in module.children() if next(child.parameters(), None) is not None]
@@ -82,6 +98,7 @@ def split_layers(net: nn.Module, mesh) -> bool:
     if not (plan := tensor_parallel_plan(net)):
         return False
     check_splits(net, plan, mesh.size())
+    check_no_split_ties(net, plan)
     parallelize_module(net, mesh, plan)
     return True
 
