@@ -418,14 +418,16 @@ class RecordSamples(L.Callback):
 
 
 class KilledAtStep(L.Callback):
-    """SIGKILLs this process as training step `step` begins (mid-epoch), as a lost machine ends it."""
+    """SIGKILLs this process as training step `step` begins (mid-epoch), as a lost machine ends it (or sends it another
+    `signal`: SIGTERM, a scheduler's preemption, once)."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, signal: str = "SIGKILL"):
+        self.step, self.signal = step, signal
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == self.step and self.signal:
+            os.kill(os.getpid(), getattr(signal, self.signal))
+            self.signal = None
 
 
 class RefusedCommitAtStep(L.Callback):

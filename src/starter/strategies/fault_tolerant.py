@@ -273,6 +273,8 @@ class FaultTolerantDDP(DDPStrategy):
             counts.update(ready=started, started=started, processed=epoch, completed=epoch)
         loops["state_dict"] = {}
         trainer.fit_loop.load_state_dict(loops)
+        for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
+            loop.reset_restart_stage()  # as a fresh start has them: a checkpoint resumed mid-epoch set its own
         for loader in trainer.fit_loop._combined_loader.flattened:  # a loader that resumes mid-epoch skips ahead
             if hasattr(loader, "load_state_dict"):
                 loader.load_state_dict({"epoch": epoch, "batches": done})
