@@ -2,6 +2,8 @@
 applied twice), a lost group costing the others one heartbeat and no restart, a returning group healed equal."""
 
 import csv
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -118,8 +120,8 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     ends = [line.split() for line in (tmp_path / "steps0").read_text().splitlines()]
     steps, times = [int(s) for s, _ in ends], [float(t) for _, t in ends]
     assert steps == list(range(1, 96))  # one process, never restarted: every step once, in order
-    # the loss cost a heartbeat, once, at the loss (a stopped group trains on to step 11): no other pause as long, none past a heartbeat and a few steps
-    # (the bound in steps of its own, which load stretches alike)
+    # the loss cost a heartbeat, once, at the loss (a stopped group trains on to step 11): no other pause as long,
+    # none past a heartbeat and a few steps (the bound in steps of its own, which load stretches alike)
     gaps = [b - a for a, b in zip(times, times[1:])]
     longest = max(range(len(gaps)), key=gaps.__getitem__)
     assert steps[longest + 1] in (10, 11, 12) and gaps[longest] < HEARTBEAT_S + 10 * sorted(gaps)[len(gaps) // 2], gaps
@@ -163,3 +165,91 @@ def test_a_group_joining_in_a_step_makes_the_scheduler_calls_the_live_groups_loo
     module = SimpleNamespace(lr_scheduler_step=lambda scheduler, metric: scheduler.step())
     FaultTolerantDDP._schedule_after(SimpleNamespace(lightning_module=module), trainer, epoch=2, done=done, step=13)
     assert (per_step.last_epoch, per_epoch.last_epoch) == (1, 1 if done == 4 else 0)
+
+
+def test_a_group_joining_with_a_wider_net_is_refused_in_one_line_before_any_collective_and_the_others_train_on(
+    tmp_path,
+):
+    # Group 0 trains alone (it waits 1 s for the others); group 1 comes with a wider net: its gradients would not fit
+    # group 0's all-reduce (a C++ abort). Its config is compared with group 0's as the quorum forms: refused in one
+    # line, exit 2; group 0 trains on to its end.
+    port, alone = free_port(), ["trainer.max_epochs=12", "fault_tolerance.join_timeout_s=1"]
+    survivor = group(tmp_path, 0, port, *alone, "+callbacks.slow._target_=probes.SlowSteps",
+                     "+callbacks.slow.seconds=0.1", f"+callbacks.slow.output={tmp_path / 'steps0'}")  # fmt: skip
+    while not (tmp_path / "steps0").exists():  # group 0 is training
+        time.sleep(0.2)
+    refused = group(tmp_path, 1, port, *alone, "model.net.width=64")
+    _, err = refused.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback", "terminate"))]
+    assert refused.returncode == 2 and lines == [
+        "error: replica group 1 trains another config than replica group 0: model.net.width=64 (replica group 0:"
+        " 256); start every group with the same config, its fault_tolerance.replica_group apart"
+    ], (refused.returncode, lines)
+    out = finished(survivor)
+    assert "replica group 1 came with another config (model.net.width=64 (here: 256)): refused, training on" in out
+    assert "Traceback" not in out and (tmp_path / "steps0").read_text().count("\n") == 12 * 19
+
+
+@pytest.mark.parametrize(
+    "theirs,ranks,said",
+    [
+        (
+            {"model.optimizer.lr": 0.02},
+            [0, 1],
+            "replica group 1 trains another config than replica group 0:"
+            " model.optimizer.lr=0.02 (replica group 0: 0.002); start every group",
+        ),
+        (
+            {"fault_tolerance.replica_groups": 3},
+            [0, 1],
+            "replica group 1 trains another config than replica group 0:"
+            " fault_tolerance.replica_groups=3 (replica group 0: 2); start every group",
+        ),
+        ({}, [0, 1, 1], "replica group 1 is here already; give each group its own fault_tolerance.replica_group"),
+        ({}, [0, 1], None),
+    ],
+    ids=["lr", "groups", "a number taken", "agreeing"],
+)
+def test_groups_agree_through_the_quorums_store_on_what_they_train_and_who_they_are(theirs, ranks, said):
+    # what each group's process writes to and reads from the store of a quorum as torchft configures it: group 0's
+    # config, then group 1's (joining) with `theirs` changed; `ranks`: the quorum's, two of one number where a
+    # second group claims it (torchft gives both its place)
+    from types import SimpleNamespace
+
+    from starter.run_store import serve_store
+    from starter.strategies.replica_agreement import disagreement
+
+    store = serve_store("127.0.0.1")
+    config = {"model.optimizer.lr": 0.002, "fault_tolerance.replica_groups": 2, "model.net.width": 256}
+    address = f"127.0.0.1:{store.port}/torchft/7/0"
+
+    def strategy(number: int, agreed: dict):
+        ft = SimpleNamespace(replica_group=number, timeout_s=10)
+        return SimpleNamespace(ft=ft, agreed=json.dumps(agreed), world_size=1)
+
+    assert disagreement(address, strategy(0, config), [0], joining=False) is None
+    line = disagreement(address, strategy(1, config | theirs), ranks, joining=True)
+    assert line == said or line.startswith(said), line
+
+
+def test_a_stop_signal_while_a_group_waits_for_a_quorum_saves_and_stops_it_at_once(tmp_path):
+    # Group 0 (it serves the lighthouse) is SIGKILLed: group 1's next quorum waits for a lighthouse that is gone,
+    # quorum_timeout_s (120 s) by default. A SIGTERM there saves last.ckpt as the weights stand and stops it (143),
+    # well before the quorum would time out.
+    port = free_port()
+    long = ["trainer.max_epochs=40", "+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.1"]
+    procs = [group(tmp_path, g, port, *long, f"+callbacks.slow.output={tmp_path / f'steps{g}'}") for g in (0, 1)]
+    while not (tmp_path / "steps1").exists() or len((tmp_path / "steps1").read_text().split()) < 10:
+        time.sleep(0.2)
+    procs[0].kill()
+    time.sleep(3)  # group 1 waits in its quorum
+    procs[1].send_signal(signal.SIGTERM)
+    _, err = procs[1].communicate(timeout=60)
+    last = run_dir(tmp_path, 1) / "checkpoints" / "last.ckpt"
+    step = torch.load(last, weights_only=True)["global_step"]
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+    assert procs[1].returncode == 143 and lines == [
+        f"error: stopped by SIGTERM during training at step {step} after saving checkpoints/last.ckpt; resume with"
+        f" ckpt_path={last.relative_to(tmp_path)}"
+    ], (procs[1].returncode, lines)
+    procs[0].wait()

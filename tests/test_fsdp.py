@@ -260,10 +260,10 @@ def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):
     assert abs(fsdp["test/acc"] - single["test/acc"]) <= 1 / 271 + 1e-9 and fsdp["test/acc"] >= 0.95
 
 
-def test_sharding_units_stay_units_where_nothing_is_tied_and_a_ties_owners_shard_together():
+# full examples: begin
+def test_sharding_units_stay_units_in_a_net_where_nothing_is_tied():
     # A unit is FSDP2's granule of all-gather and free: losing one costs memory and speed, never the weights, so only
-    # counting them shows it. resnet18: the stem conv, 8 residual blocks and the head; a tie (a decoder sharing its
-    # encoder's weight) takes its two owners out of the units, into the group around them, and leaves the rest.
+    # counting them shows it. resnet18: the stem conv, 8 residual blocks and the head.
     from torch import nn
     from torchvision.models import resnet18
 
@@ -273,6 +273,17 @@ def test_sharding_units_stay_units_where_nothing_is_tied_and_a_ties_owners_shard
     module.net = resnet18()
     units, roots = tied(module, sharding_units(module, DEFAULT_UNITS))
     assert len(units) == 10 and roots == [[module.net]]
+
+
+# full examples: end
+def test_a_ties_owners_shard_together_and_the_rest_stay_units():
+    # a tie (a decoder sharing its encoder's weight) takes its two owners out of the units, into the group around
+    # them, and leaves the rest units
+    from torch import nn
+
+    from starter.strategies.fsdp import DEFAULT_UNITS, sharding_units, tied
+
+    module = nn.Module()
     module.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     module.net[4].weight = module.net[0].weight
     units, roots = tied(module, sharding_units(module, DEFAULT_UNITS))

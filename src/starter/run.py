@@ -25,6 +25,7 @@ from starter.loggers.lifecycle import end_logger_runs, log_config
 from starter.loggers.report import log_model_summary, shown, write_run_outputs
 from starter.strategies.build import build_strategy
 from starter.strategies.precision import precision_plugin
+from starter.strategies.replica_agreement import agreed_config
 from starter.topology import Layout, Traits, device_type, process_rank
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def build_trainer(cfg: DictConfig, layout: Layout, callbacks: list, loggers: lis
         cfg.trainer,
         "trainer",
         enable_model_summary=False,
-        strategy=build_strategy(cfg.strategy, layout, cfg.get("fault_tolerance")),
+        strategy=build_strategy(cfg.strategy, layout, cfg.get("fault_tolerance"), agreed_config(cfg, layout.world)),
         callbacks=callbacks,
         logger=loggers or False,
         plugins=plugins,

@@ -15,17 +15,18 @@ log = logging.getLogger(__name__)
 DESCRIPTIVE_KEYS = ("name", "traits", "tensor_parallel_size", "pipeline_parallel_size")
 
 
-def build_strategy(strategy_cfg: DictConfig, layout: Layout, fault_tolerance: DictConfig | None = None):
+def build_strategy(strategy_cfg: DictConfig, layout: Layout, fault_tolerance: DictConfig | None = None, agreed="{}"):
     """A strategy whose traits name `one_process` runs as that in a run of one process (ddp: nothing to all-reduce,
     and DDP's wrapper costs ~15% of a step on one GPU). A class whose constructor takes `layout` gets it. Under
-    `fault_tolerance` (torchft), ddp with torchft's manager across replica groups, at any number of processes."""
+    `fault_tolerance` (torchft), ddp with torchft's manager across replica groups, at any number of processes, which
+    must agree on `agreed` (fault_tolerant.agreed_config)."""
     traits = Traits.of(strategy_cfg)
     if fault_tolerance:
         from starter.strategies.fault_tolerant import FaultTolerantDDP
 
         kwargs = OmegaConf.to_container(strategy_cfg, resolve=True)
         kwargs = {k: v for k, v in kwargs.items() if k not in (*DESCRIPTIVE_KEYS, "_target_")}
-        return FaultTolerantDDP(fault_tolerance=fault_tolerance, **kwargs)
+        return FaultTolerantDDP(fault_tolerance=fault_tolerance, agreed=agreed, **kwargs)
     if layout.world == 1 and traits.one_process:
         log.info(
             "strategy=%s with one process: nothing to all-reduce, so it trains as strategy=%s (the same"

@@ -9,16 +9,22 @@ weights-only), applies the step it joined in, and trains on. The data is split a
 of every group's processes would split it, so with every group live the run is that ddp run.
 """
 
+import concurrent.futures
 import logging
 import os
+import sys
+import threading
 import time
 from datetime import timedelta
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from starter.errors import UserError
+from starter.callbacks.preemption import SaveOnSigterm
+from starter.callbacks.stop_agreement import StopAgreement, stop_line
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, one_line, to_stderr
 from starter.loggers.console import file_only
+from starter.strategies.replica_agreement import disagreement
 from starter.topology import TORCHFT_MISSING
 
 log = logging.getLogger(__name__)
@@ -50,21 +56,28 @@ def start_lighthouse(ft) -> object | None:
     torchft()
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(
-        bind=f"[::]:{ft.lighthouse_port}",
-        min_replicas=ft.min_replicas,
-        join_timeout_ms=int(ft.join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
-    )
+    try:
+        server = LighthouseServer(
+            bind=f"[::]:{ft.lighthouse_port}",
+            min_replicas=ft.min_replicas,
+            join_timeout_ms=int(ft.join_timeout_s * 1000),
+            heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
+        )
+    except (RuntimeError, OSError) as err:  # the port taken (another job's lighthouse on this host)
+        raise UserError(
+            f"replica group 0 cannot serve the lighthouse at port {ft.lighthouse_port} ({one_line(err)[:120]}); give"
+            " another fault_tolerance.lighthouse_port, the same to every group"
+        ) from None
     os.environ["TORCHFT_LIGHTHOUSE"] = server.address()
     log.info("replica group 0 serves the lighthouse at %s", server.address())
     return server
 
 
 class FaultTolerantDDP(DDPStrategy):
-    def __init__(self, *, fault_tolerance, **kwargs):
+    def __init__(self, *, fault_tolerance, agreed: str = "{}", **kwargs):
         super().__init__(**kwargs)
-        self.ft = fault_tolerance
+        self.ft, self.agreed, self.disagreement = fault_tolerance, agreed, None
+        self.joining = False
         self.manager = None
         self.groups: list[int] = []  # the replica groups of the last quorum
 
@@ -88,7 +101,13 @@ class FaultTolerantDDP(DDPStrategy):
         ft = torchft()
         timeout = timedelta(seconds=self.ft.timeout_s)
         groups = ft.ProcessGroupNCCL if self.root_device.type == "cuda" else ft.ProcessGroupGloo
-        self.manager = ft.Manager(
+        try:
+            self.manager = self._manager(ft, groups, timeout)
+        except FAILURES as err:  # the lighthouse unreachable
+            raise self._failed(err) from None
+
+    def _manager(self, ft, groups, timeout: timedelta):
+        return ft.Manager(
             pg=_saying_quorums(groups, self, timeout=timeout),
             load_state_dict=self._heal,
             state_dict=self._state,
@@ -116,6 +135,7 @@ class FaultTolerantDDP(DDPStrategy):
         optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
         while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
             self.manager.start_quorum()
+            self._agree()
             for p in _parameters(optimizer):
                 p.grad = None
             stepped = self._average(optimizer, contributes=False)
@@ -184,10 +204,20 @@ class FaultTolerantDDP(DDPStrategy):
             group.update(own)
         return output
 
+    def _agree(self) -> None:
+        """The quorum formed (its groups' configs compared as it was configured): a group joining with a config the
+        others do not train with is refused in one line, before its first collective."""
+        try:
+            self._waited(self.manager.wait_quorum)
+        except FAILURES as err:
+            raise self._failed(err) from None
+        if self.disagreement:
+            raise UserError(self.disagreement)
+
     def _committed(self) -> bool:
         """torchft's commit decision; its failures (no lighthouse, a quorum timed out) as one line."""
         try:
-            if self.manager.should_commit():
+            if self._waited(self.manager.should_commit):
                 return True
         except FAILURES as err:
             raise self._failed(err) from None
@@ -196,10 +226,58 @@ class FaultTolerantDDP(DDPStrategy):
             raise UserError(f"replica group {self.ft.replica_group}: {REDOS} quorums in a row did not commit a step")
         return False
 
+    def _waited(self, call):
+        """A torchft call that waits (for a quorum, a heal, a commit), run on a thread of its own: a stop signal that
+        comes meanwhile is acted on within half a second, last.ckpt saved as the weights stand (a step is applied
+        only once committed: a resume trains it again), the run then stopped as at any step (exit 143)."""
+        waiting = concurrent.futures.Future()
+
+        def wait() -> None:  # a daemon thread: one still waiting never holds the process's exit
+            try:
+                waiting.set_result(call())
+            except BaseException as err:
+                waiting.set_exception(err)
+
+        threading.Thread(target=wait, name="torchft-wait", daemon=True).start()
+        while True:
+            try:
+                return waiting.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if (stops := SaveOnSigterm.listening) is not None and stops.received:
+                    self._stop_now(stops)
+
+    def _stop_now(self, stops: SaveOnSigterm) -> None:
+        """A stop signal during a torchft wait: last.ckpt saved (joining: nothing new to save), the run's line said by
+        rank 0 (as run.py says it), the loggers' rows written, and the process ended here: torchft's own quorum
+        thread may wait quorum_timeout_s more, and the interpreter's exit would wait for it."""
+        trainer = self.lightning_module.trainer
+        if not self.joining:
+            self._save_last()
+        for logger in trainer.loggers:
+            logger.save()
+        if trainer.is_global_zero:
+            line = stop_line(stops.received, stops.path.parent.parent, stops.received_in, stops.saved_step)
+            to_stderr(f"error: {line}")
+            if trainer.world_size > 1:
+                StopAgreement(trainer.world_size).say_told()
+        sys.stdout.flush()
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def _save_last(self) -> str:
+        """checkpoints/last.ckpt, as the weights stand; what a line then says of it."""
+        stops, trainer = SaveOnSigterm.listening, self.lightning_module.trainer
+        if stops is None or trainer.global_step == 0:
+            return ""
+        trainer.save_checkpoint(stops.path)
+        stops.saved_step = trainer.global_step
+        return f"; checkpoints/last.ckpt saved at step {trainer.global_step}, resume with ckpt_path=auto"
+
     def _failed(self, err: BaseException) -> UserError:
+        """torchft's failure (no quorum, no lighthouse) as one line, this group's state saved first."""
+        saved = self._save_last() if self.manager is not None and not self.joining else ""
         return UserError(
             f"replica group {self.ft.replica_group}: torchft: {' '.join(str(err).split())[:300]} (the lighthouse:"
-            f" {os.environ.get('TORCHFT_LIGHTHOUSE')}, served by replica group 0's train.py unless named)"
+            f" {os.environ.get('TORCHFT_LIGHTHOUSE')}, served by replica group 0's train.py unless named){saved}"
         )
 
     def _average(self, optimizer, contributes: bool) -> bool:
@@ -211,7 +289,7 @@ class FaultTolerantDDP(DDPStrategy):
             + [torch.full((1,), float(contributes), device=self.root_device)]
         )
         try:
-            self.manager.allreduce(flat).wait()
+            self._waited(lambda: self.manager.allreduce(flat).wait())  # it waits for the quorum first
         except FAILURES as err:  # the quorum itself failed (a failed all-reduce is the commit's: refused)
             raise self._failed(err) from None
         offset = 0
@@ -294,10 +372,13 @@ def _saying_quorums(process_group_class, strategy: FaultTolerantDDP, **kwargs):
     """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
 
     class Quorum(process_group_class):
-        def configure(self, *args, **kwargs):  # the manager passes the quorum's ranks eighth
-            super().configure(*args, **kwargs)
-            global_ranks = args[7] if len(args) > 7 else kwargs.get("global_ranks")
+        def configure(self, store_addr: str, *args, **kwargs):  # the manager passes the quorum's ranks eighth
+            global_ranks = args[6] if len(args) > 6 else kwargs.get("global_ranks")
             groups = sorted({rank // strategy.world_size for rank in global_ranks or ()})
+            strategy.disagreement = disagreement(store_addr, strategy, global_ranks, joining=strategy.joining)
+            if strategy.disagreement and not strategy.joining and strategy.global_rank == 0:
+                log.warning(strategy.disagreement)
+            super().configure(store_addr, *args, **kwargs)
             lost, came = sorted(set(strategy.groups) - set(groups)), sorted(set(groups) - set(strategy.groups))
             if strategy.groups and (lost or came) and strategy.global_rank == 0:
                 what = "; ".join(
