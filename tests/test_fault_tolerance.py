@@ -79,7 +79,10 @@ def test_two_replica_groups_train_as_ddp_and_a_refused_step_is_trained_again_not
     assert max_difference(weights[0], weights[1]) == 0
     assert max_difference(weights[0], reference_weights) < 1e-5
     for g, out in enumerate(outputs):
-        assert "replica group 1 of 2 (torchft)" in outputs[1] and "replica group 0 serves the lighthouse" in outputs[0]
+        assert (
+            "replica group 1 of 2 (torchft)" in outputs[1]
+            and "replica group 0 started the lighthouse at http://localhost:" in outputs[0]
+        )
         assert f"replica group {g}: the quorum did not commit step 8; training it again on the same batch" in out
         steps = [int(s) for s in (tmp_path / f"steps{g}").read_text().split()]
         assert steps == [*range(1, 9), *range(8, 21)]  # step 8 trained twice, applied once: the reference's weights
@@ -87,37 +90,46 @@ def test_two_replica_groups_train_as_ddp_and_a_refused_step_is_trained_again_not
 
 
 @pytest.mark.parametrize(
-    "lost_by,again",
-    [("SIGKILL", []), ("SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"]), ("SIGTERM", ["ckpt_path=auto"])],
-    ids=["killed, back afresh", "killed, back from its mid-epoch checkpoint", "stopped, back from its stop's save"],
-)
-def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_heals_equal(lost_by, again, tmp_path):
-    """Group 1 is SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins: group 0 names it
-    within a heartbeat and a step, and trains on in the same process (its steps never start again), slowed while
-    alone. Group 1 started again (afresh, or resuming its own mid-epoch last.ckpt) joins mid-epoch: healed from group
-    0 (weights, optimizer, step, data position), it trains with it; a step its quorum refuses where group 0's commits
-    heals it again (an epoch's last: group 0 crosses the epoch's end, and steps its lr schedule, first). Both end with
-    equal weights, logging at the same steps, and the test accuracy of a 5-epoch run."""
-    port = free_port()
+    "gone,lost_by,again",
+    [(1, "SIGKILL", []), (1, "SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"]),
+     (0, "SIGTERM", ["ckpt_path=auto"])],
+    ids=["group 1 killed, back afresh", "group 1 killed, back from its mid-epoch checkpoint",
+         "group 0 stopped (it started the lighthouse), back from its stop's save"],
+)  # fmt: skip
+def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_heals_equal(
+    gone, lost_by, again, tmp_path
+):
+    """A group is SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins, group 0 too,
+    whose train.py started the lighthouse (a process of its own, which outlives it): the other names it within a
+    heartbeat and a step, and trains on in the same process (its steps never start again), slowed while alone. The
+    lost group started again (afresh, or resuming its own mid-epoch last.ckpt; group 0 finds the lighthouse on its
+    port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position), it trains with it; a
+    step its quorum refuses where the survivor's commits heals it again (an epoch's last: the survivor crosses the
+    epoch's end, and steps its lr schedule, first). Both end with equal weights, logging at the same steps, and the
+    test accuracy of a 5-epoch run."""
+    port, kept = free_port(), 1 - gone
     epochs = ["trainer.max_epochs=5", "+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.3"]
-    survivor = group(tmp_path, 0, port, *epochs, f"+callbacks.slow.output={tmp_path / 'steps0'}")
-    own = [f"hydra.run.dir={tmp_path / 'g1' / 'logs' / 'train' / 'runs' / 'own'}", *again] if again else []  # resumed
-    lost = group(tmp_path, 1, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
+    own = [f"hydra.run.dir={tmp_path / f'g{gone}' / 'logs' / 'train' / 'runs' / 'own'}", *again] if again else []
+    lost = group(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
                  "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10",
                  f"+callbacks.kill.signal={lost_by}")  # fmt: skip
+    if gone == 0:  # it starts the lighthouse, the other meets it there
+        while not list(tmp_path.glob("g0/logs/train/runs/*/train.log")):
+            time.sleep(0.2)
+    survivor = group(tmp_path, kept, port, *epochs, f"+callbacks.slow.output={tmp_path / 'kept'}")
     lost.communicate(timeout=300)
     assert lost.returncode == (-9 if lost_by == "SIGKILL" else 143)
     if again:  # mid-epoch: the stop's save at step 11, or the 7th step's
-        saved = torch.load(run_dir(tmp_path, 1) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        saved = torch.load(run_dir(tmp_path, gone) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
         assert saved == (7 if lost_by == "SIGKILL" else 11)
     time.sleep(HEARTBEAT_S)  # gone from the lighthouse's view before it comes back
-    back = group(tmp_path, 1, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'steps1'}",
+    back = group(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'back'}",
                  "+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.after=3",
                  "+callbacks.refuse.epoch_end=true",
                  f"+callbacks.refuse.output={tmp_path / 'refused'}")  # fmt: skip
     said, said_back = finished(survivor), finished(back)
 
-    ends = [line.split() for line in (tmp_path / "steps0").read_text().splitlines()]
+    ends = [line.split() for line in (tmp_path / "kept").read_text().splitlines()]
     steps, times = [int(s) for s, _ in ends], [float(t) for _, t in ends]
     assert steps == list(range(1, 96))  # one process, never restarted: every step once, in order
     # the loss cost a heartbeat, once, at the loss (a stopped group trains on to step 11): no other pause as long,
@@ -125,19 +137,19 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     gaps = [b - a for a, b in zip(times, times[1:])]
     longest = max(range(len(gaps)), key=gaps.__getitem__)
     assert steps[longest + 1] in (10, 11, 12) and gaps[longest] < HEARTBEAT_S + 10 * sorted(gaps)[len(gaps) // 2], gaps
-    assert said.count("replica group 1 lost: training on with 1 of 2") == 1
-    assert said.index("replica group 1 lost") < said.rindex("replica group 1 joined: training on with 2 of 2")
-    healed = [line for line in said_back.splitlines() if "replica group 1 healed from a live group at step" in line]
+    assert said.count(f"replica group {gone} lost: training on with 1 of 2") == 1
+    assert said.index(f"replica group {gone} lost") < said.rindex(f"replica group {gone} joined: training on with 2")
+    healed = [line for line in said_back.splitlines() if f"replica group {gone} healed from a live group at" in line]
     assert len(healed) == 2 and int(healed[0].split()[-1]) > 10  # on joining mid-run, and after the refused step
-    first = int((tmp_path / "steps1").read_text().split()[0])
-    assert first > 11  # it began where group 0 was
-    refused = next(step for step in range(first + 2, 96) if step % 19 == 0)  # the last of an epoch: group 0 ends it
-    assert f"replica group 1: the quorum did not commit step {refused}" in said_back  # first, stepping its schedule
+    first = int((tmp_path / "back").read_text().split()[0])
+    assert first > 11  # it began where the survivor was
+    refused = next(step for step in range(first + 2, 96) if step % 19 == 0)  # an epoch's last: the survivor ends it
+    assert f"replica group {gone}: the quorum did not commit step {refused}" in said_back  # first, stepping its lr
 
-    runs = [run_dir(tmp_path, 0), run_dir(tmp_path, 1)]
+    runs = [run_dir(tmp_path, kept), run_dir(tmp_path, gone)]
     assert max_difference(*(model_weights(r) for r in runs)) == 0
-    assert set(logged_steps(runs[1])) <= set(logged_steps(runs[0]))  # its steps are group 0's
-    ends = validated_steps(runs[1])  # its epochs end where group 0's do, before the loss and after its return
+    assert set(logged_steps(runs[1])) <= set(logged_steps(runs[0]))  # its steps are the survivor's
+    ends = validated_steps(runs[1])  # its epochs end where the survivor's do, before the loss and after its return
     assert set(ends) <= set(validated_steps(runs[0])) and ends[-1] == validated_steps(runs[0])[-1], ends
     metrics = [read_metrics(r) for r in runs]
     # the last epoch's validation of the same weights, equal; each tests its own best.ckpt, picked among the epochs it
@@ -233,15 +245,16 @@ def test_groups_agree_through_the_quorums_store_on_what_they_train_and_who_they_
 
 
 def test_a_stop_signal_while_a_group_waits_for_a_quorum_saves_and_stops_it_at_once(tmp_path):
-    # Group 0 (it serves the lighthouse) is SIGKILLed: group 1's next quorum waits for a lighthouse that is gone,
-    # quorum_timeout_s (120 s) by default. A SIGTERM there saves last.ckpt as the weights stand and stops it (143),
-    # well before the quorum would time out.
+    # Group 0 and the lighthouse (a process of its own, group 0's train.py started it) are SIGKILLed: group 1's next
+    # quorum waits for a lighthouse that is gone, quorum_timeout_s (120 s) by default. A SIGTERM there saves last.ckpt
+    # as the weights stand and stops it (143), well before the quorum would time out.
     port = free_port()
     long = ["trainer.max_epochs=40", "+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.1"]
     procs = [group(tmp_path, g, port, *long, f"+callbacks.slow.output={tmp_path / f'steps{g}'}") for g in (0, 1)]
     while not (tmp_path / "steps1").exists() or len((tmp_path / "steps1").read_text().split()) < 10:
         time.sleep(0.2)
     procs[0].kill()
+    subprocess.run(["pkill", "-9", "-f", f"starter.strategies.lighthouse {port} "], check=True)
     time.sleep(3)  # group 1 waits in its quorum
     procs[1].send_signal(signal.SIGTERM)
     _, err = procs[1].communicate(timeout=60)

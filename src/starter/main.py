@@ -53,7 +53,8 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
-        lighthouse = serve_lighthouse(cfg) if job == TRAIN else None  # noqa: F841 (served while this job runs)
+        if job == TRAIN:
+            serve_lighthouse(cfg)
         if plan.started_by == "ours":
             metrics = launch(cfg, config_path, plan, job)
         elif plan.started_by is not None:  # torchrun's workers, srun's tasks: each a rank
@@ -90,13 +91,12 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
     return metrics.get(cfg.get("optimized_metric"))
 
 
-def serve_lighthouse(cfg: DictConfig):
-    """fault_tolerance=torchft: replica group 0's train.py serves the lighthouse unless one is named."""
-    if not cfg.get("fault_tolerance"):
-        return None
-    from starter.strategies.fault_tolerant import start_lighthouse
+def serve_lighthouse(cfg: DictConfig) -> None:
+    """fault_tolerance=torchft: replica group 0's train.py starts the lighthouse unless one is named."""
+    if cfg.get("fault_tolerance"):
+        from starter.strategies.fault_tolerant import start_lighthouse
 
-    return start_lighthouse(cfg.fault_tolerance)
+        start_lighthouse(cfg.fault_tolerance)
 
 
 def _ending(err: BaseException) -> tuple[int, str]:

@@ -47,30 +47,25 @@ def torchft():
     return torchft
 
 
-def start_lighthouse(ft) -> object | None:
-    """Replica group 0 serves the lighthouse when no address is given (`fault_tolerance.lighthouse`, else
-    TORCHFT_LIGHTHOUSE); the other groups must be told where it is. Returns the server, kept alive by the caller."""
+def start_lighthouse(ft) -> None:
+    """Replica group 0 starts the lighthouse (strategies/lighthouse.py: a process of its own, which outlives it) when no
+    address is given (`fault_tolerance.lighthouse`, else TORCHFT_LIGHTHOUSE); the other groups must be told where it
+    is."""
     if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
         os.environ["TORCHFT_LIGHTHOUSE"] = address
-        return None
+        return
     torchft()
-    from torchft._torchft import LighthouseServer
+    from starter.strategies import lighthouse
 
     try:
-        server = LighthouseServer(
-            bind=f"[::]:{ft.lighthouse_port}",
-            min_replicas=ft.min_replicas,
-            join_timeout_ms=int(ft.join_timeout_s * 1000),
-            heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
-        )
-    except (RuntimeError, OSError) as err:  # the port taken (another job's lighthouse on this host)
+        address = lighthouse.start(ft.lighthouse_port, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s)
+    except OSError as err:  # the port taken by something else
         raise UserError(
             f"replica group 0 cannot serve the lighthouse at port {ft.lighthouse_port} ({one_line(err)[:120]}); give"
             " another fault_tolerance.lighthouse_port, the same to every group"
         ) from None
-    os.environ["TORCHFT_LIGHTHOUSE"] = server.address()
-    log.info("replica group 0 serves the lighthouse at %s", server.address())
-    return server
+    os.environ["TORCHFT_LIGHTHOUSE"] = address
+    log.info("replica group 0 started the lighthouse at %s (a process of its own: it outlives this group)", address)
 
 
 class FaultTolerantDDP(DDPStrategy):
