@@ -275,7 +275,7 @@ def _check_fault_tolerance(cfg: DictConfig, traits: Traits) -> None:
     if ft.replica_group and not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         raise UserError(
             f"replica group {ft.replica_group} needs the lighthouse's address: fault_tolerance.lighthouse="
-            f"http://<replica group 0's host>:{ft.lighthouse_port} (group 0 serves it), or TORCHFT_LIGHTHOUSE"
+            f"http://<replica group 0's host>:{ft.lighthouse_port} (group 0 starts it), or TORCHFT_LIGHTHOUSE"
         )
     if importlib.util.find_spec("torchft") is None:
         raise UserError(TORCHFT_MISSING)
