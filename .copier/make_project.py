@@ -32,7 +32,7 @@ LARGER_EXAMPLES = [  # ImageNet-style data, shards, the ResNets, the SLURM launc
     "make_shards.py",
     "conf/data/shards.yaml",
     "conf/make_shards.yaml",
-    "src/starter/models/nets/torchvision.py",
+    "src/mynet/models/nets/torchvision.py",
     "conf/data/imagenet.yaml",
     "conf/model/resnet18.yaml",
     "conf/model/resnet50.yaml",

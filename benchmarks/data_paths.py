@@ -19,8 +19,8 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from benchmarks.common import RESULTS, ROOT, LocalS3, markdown_table, write_fake_mnist
+from mynet.data.mnist import MNISTDataModule
 from starter.data.imagenet import ImageFolderDataModule
-from starter.data.mnist import MNISTDataModule
 
 
 def epoch_seconds(loader) -> float:

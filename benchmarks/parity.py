@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import RESULTS, StepTimer, compose_config, markdown_table, write_fake_mnist
-from starter.data.mnist import MEAN, STD, MNISTDataModule
-from starter.models.nets.mlp import MLP
+from mynet.data.mnist import MEAN, STD, MNISTDataModule
+from mynet.models.nets.mlp import MLP
 
 
 def normalised(images: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from benchmarks.common import RESULTS, free_port, markdown_table, timed_training, write_fake_mnist
-from starter.data.mnist import MEAN, STD, MNISTDataModule
-from starter.models.nets.mlp import MLP
+from mynet.data.mnist import MEAN, STD, MNISTDataModule
+from mynet.models.nets.mlp import MLP
 
 
 def threads_per_process(world: int) -> int:

@@ -51,7 +51,7 @@ def images_per_s(checkpoint: Path, datamodule, files: list[str]) -> tuple[float,
 
 
 def digits(scratch: Path):
-    from starter.data.digits import DigitsDataModule
+    from mynet.data.digits import DigitsDataModule
 
     data = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
     data.setup()

@@ -487,7 +487,7 @@ def digit_files(tmp_path_factory) -> Path:
     """The default run's test split (digits, seed 42) as 8-bit PNG files named <index>_<label>.png."""
     from PIL import Image
 
-    from starter.data.digits import DigitsDataModule
+    from mynet.data.digits import DigitsDataModule
 
     folder = tmp_path_factory.mktemp("digit_files")
     digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)

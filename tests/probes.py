@@ -12,8 +12,8 @@ import lightning as L
 import torch
 from torch.utils.data import Dataset
 
-from starter.data.digits import DigitsDataModule
-from starter.data.in_memory import TensorPairs, already_batched
+from mynet.data.digits import DigitsDataModule
+from mynet.data.in_memory import TensorPairs, already_batched
 
 
 class AugmentedDigits(DigitsDataModule):
@@ -383,7 +383,8 @@ class DiffersWhenTraced(TakesBranches):
 
 
 class RecordModules(L.Callback):
-    """At the end of the test, writes which of this starter's modules the process has imported."""
+    """At the end of the test, writes which modules of the engine (starter) and the project (mynet) the process has
+    imported."""
 
     def __init__(self, output: str):
         self.output = Path(output)
@@ -391,7 +392,7 @@ class RecordModules(L.Callback):
     def on_test_end(self, trainer, pl_module) -> None:
         import sys
 
-        self.output.write_text(json.dumps(sorted(m for m in sys.modules if m.startswith("starter."))))
+        self.output.write_text(json.dumps(sorted(m for m in sys.modules if m.startswith(("starter.", "mynet.")))))
 
 
 def sample_ids(batch) -> list[int]:

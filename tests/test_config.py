@@ -374,7 +374,7 @@ def test_what_a_datamodule_declares_is_read_off_its_source_as_its_class_says_it(
 
     from starter.declared import declared
 
-    off = "from starter.data.digits import DigitsDataModule as D\n\n\nclass Off(D):\n    shards_itself = False\n"
+    off = "from mynet.data.digits import DigitsDataModule as D\n\n\nclass Off(D):\n    shards_itself = False\n"
     (tmp_path / "turned_off.py").write_text(off)
     sys.path.insert(0, str(tmp_path))
     try:

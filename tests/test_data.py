@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import as_rank
-from starter.data.digits import DigitsDataModule
-from starter.data.mnist import MNISTDataModule
-from starter.data.synthetic import SyntheticDataModule
+from mynet.data.digits import DigitsDataModule
+from mynet.data.mnist import MNISTDataModule
+from mynet.data.synthetic import SyntheticDataModule
 from starter.errors import UserError
 
 DIGITS = dict(image_shape=[1, 8, 8], num_classes=10)

@@ -6,10 +6,10 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from conftest import compose_config, read_metrics, run_dirs, train
-from starter.data.digits import DigitsDataModule
+from mynet.data.digits import DigitsDataModule
+from mynet.models.classifier import Classifier
+from mynet.models.nets.mlp import MLP
 from starter.errors import UserError
-from starter.models.classifier import Classifier
-from starter.models.nets.mlp import MLP
 from starter.preflight import prepare
 from starter.strategies.dp import DataParallelStrategy, _ClassForward
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import PROBES, train
-from starter.models.classifier import Classifier
-from starter.models.nets.torchvision import torchvision_net
+from mynet.models.classifier import Classifier
+from mynet.models.nets.torchvision import torchvision_net
 from starter.strategies.fsdp import move_state_but_parameters, sharding_units
 
 # 2 CPU processes, as in test_fsdp.py

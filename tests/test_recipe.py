@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
+from mynet.data.synthetic import SyntheticDataModule
+from mynet.models.classifier import Classifier
 from starter.data.base import batch_mixing
-from starter.data.synthetic import SyntheticDataModule
 from starter.errors import UserError
-from starter.models.classifier import Classifier
 from starter.preflight import prepare
 
 

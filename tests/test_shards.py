@@ -61,7 +61,7 @@ def digit_shards(tmp_path_factory) -> Path:
 def test_make_shards_writes_each_split_as_its_data_set_holds_it_and_never_twice(digit_shards):
     from litdata import StreamingDataset
 
-    from starter.data.digits import DigitsDataModule
+    from mynet.data.digits import DigitsDataModule
     from starter.data.image_files import decode_image_data
 
     described = json.loads((digit_shards / "shards.json").read_text())

@@ -1,5 +1,6 @@
-"""The package's shape holds: no import cycles, between modules or between folders; every import runs down the
-layers below; and what runs before launch (config errors, --help) imports neither torch nor Lightning."""
+"""The packages' shape holds: the engine (starter) never imports the project's package (mynet), which it reaches only
+through config `_target_`s; no import cycles, between modules or between folders; every import runs down the layers
+below; and what runs before launch (config errors, --help) imports neither torch nor Lightning."""
 
 import ast
 import subprocess
@@ -38,6 +39,20 @@ def imports() -> dict[str, set[str]]:
                 found |= {alias.name for alias in node.names if alias.name.startswith("starter")}
         graph[name] = found - {name}
     return graph
+
+
+def test_the_engine_never_imports_the_projects_package():
+    # the project's package is the user's, renamed by copier (.copier/make_project.py): the engine names it nowhere,
+    # neither in an import nor in a string that would import it
+    project = ROOT / "src" / "mynet"
+    named = [str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py") if "mynet" in path.read_text().lower()]
+    assert named == [] and (project / "models" / "classifier.py").is_file()
+    held = sorted(p.name for p in project.iterdir() if p.name != "__pycache__")
+    assert held == [
+        "__init__.py",
+        "data",
+        "models",
+    ]  # the task, its nets, its data: the engine's machinery is not there
 
 
 def unit(module: str) -> str:
@@ -83,7 +98,7 @@ def test_a_run_of_one_process_imports_nothing_of_the_several_process_machinery(t
     train(tmp_path, "debug=fdr", "+callbacks.modules._target_=probes.RecordModules", f"+callbacks.modules.output={out}",
           env=PROBES)  # fmt: skip
     imported = json.loads(out.read_text())
-    assert "starter.run" in imported and "starter.models.classifier" in imported
+    assert "starter.run" in imported and "mynet.models.classifier" in imported
     machinery = [
         m
         for m in imported

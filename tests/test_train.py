@@ -138,7 +138,7 @@ def test_checkpoints_load_with_torch_weights_only_and_plain_keys(default_run):
     checkpoint = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)  # torch's default since 2.6
     keys = list(checkpoint["state_dict"])
     assert keys and all(k.startswith("net.") for k in keys)
-    from starter.models.nets.mlp import MLP
+    from mynet.models.nets.mlp import MLP
 
     net = MLP([1, 8, 8], 10)
     net.load_state_dict({k.removeprefix("net."): v for k, v in keys_values(checkpoint)})

@@ -22,7 +22,7 @@ from conftest import (
     train,
     trained_weights,
 )
-from starter.data.digits import DigitsDataModule
+from mynet.data.digits import DigitsDataModule
 
 
 def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, digit_files, tmp_path):

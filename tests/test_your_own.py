@@ -54,7 +54,7 @@ DATA = '''
 import torch
 
 from starter.data.base import ShardedDataModule
-from starter.data.in_memory import TensorPairs
+from mynet.data.in_memory import TensorPairs
 
 
 class Brightness(ShardedDataModule):

@@ -1,1 +1,1 @@
-"""The LightningModule (classifier.py) and plain-PyTorch nets (nets/). Neither knows the strategy running it."""
+"""What the engine asks of a task: when a step logs (logging_step.py), where a net's head is (head.py)."""

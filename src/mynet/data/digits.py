@@ -4,8 +4,8 @@ import math
 
 import torch
 
+from mynet.data.in_memory import TensorPairs
 from starter.data.base import ShardedDataModule
-from starter.data.in_memory import TensorPairs
 from starter.errors import UserError
 
 

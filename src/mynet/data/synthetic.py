@@ -5,8 +5,8 @@ device and the loader yields indices only, so neither loader nor copy is what a 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 
+from mynet.data.in_memory import random_images
 from starter.data.base import ShardedDataModule
-from starter.data.in_memory import random_images
 
 
 class SyntheticDataModule(ShardedDataModule):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
+from mynet.data.in_memory import TensorPairs
 from starter.data.base import ShardedDataModule
-from starter.data.in_memory import TensorPairs
 from starter.errors import UserError
 
 MEAN, STD = 0.1307, 0.3081  # of the 60k training images
