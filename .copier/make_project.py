@@ -1,11 +1,12 @@
-"""Run by copier in a freshly generated project (copier.yml's task): `starter` becomes the chosen package name,
-and with `minimal` the larger examples go.
+"""Run by copier in a freshly generated project (copier.yml's task): the project's package, `mynet` in the template,
+becomes the chosen name, and with `minimal` the larger examples go. The engine, `starter`, is never renamed: an
+update of the template replaces its files as they are.
 
     python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE" full|minimal
 
-Moves src/starter to src/PACKAGE_NAME, rewrites every text file (imports, config targets, pyproject, prose), sets
-the README's title, removes itself, and brings uv.lock in line with the project's pyproject.toml. The template's
-repository is never touched.
+Moves src/mynet to src/PACKAGE_NAME, rewrites every text file that names it (imports, config targets, prose), names
+the distribution in pyproject.toml after it, sets the README's title, removes itself, and brings uv.lock in line with
+the project's pyproject.toml. The template's repository is never touched.
 
 What belongs to the larger examples only: the paths in LARGER_EXAMPLES, each line ending in a `# full examples`
 (or `<!-- full examples -->`) marker, and the lines between `# full examples: begin` and `# full examples: end`
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TEMPLATE_PACKAGE = "starter"
+TEMPLATE_PACKAGE = "mynet"  # the project's package in the template; the engine, src/starter, keeps its name
 LARGER_EXAMPLES = [  # ImageNet-style data, shards, the ResNets, the SLURM launchers, the recipe, the benchmarks of them
     "src/starter/data/imagenet.py",
     "src/starter/data/imagenet_archives.py",
@@ -82,11 +83,12 @@ def main(package: str, title: str, examples: str = "full") -> None:
             path = root / relative
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     template_package, package_dir = root / "src" / TEMPLATE_PACKAGE, root / "src" / package
-    for source in sorted(p for p in template_package.rglob("*") if p.is_file()):  # `copier update` renders the
-        target = package_dir / source.relative_to(template_package)  # template's files over an existing package
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(source, target)
-    shutil.rmtree(template_package)
+    if package != TEMPLATE_PACKAGE:
+        for source in sorted(p for p in template_package.rglob("*") if p.is_file()):  # `copier update` renders the
+            target = package_dir / source.relative_to(template_package)  # template's files over an existing package
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(source, target)
+        shutil.rmtree(template_package)
     for path in root.rglob("*"):
         skipped = path.name == ".copier-answers.yml" or {".git", ".copier"} & set(path.relative_to(root).parts)
         if not path.is_file() or skipped:
@@ -96,6 +98,8 @@ def main(package: str, title: str, examples: str = "full") -> None:
         except UnicodeDecodeError:  # images
             continue
         renamed = re.sub(TEMPLATE_PACKAGE, package, keep_examples(text, examples == "full"), flags=re.IGNORECASE)
+        if path == root / "pyproject.toml":  # the distribution: the project's, holding both packages
+            renamed = re.sub(r'^name = ".*"$', f'name = "{package}"', renamed, count=1, flags=re.MULTILINE)
         if path == root / "README.md":
             renamed = re.sub(r"\A# .*", f"# {title}", renamed)
         if renamed != text:

@@ -1,11 +1,16 @@
-"""This repository as a copier template: a generated project has its own package everywhere, runs its README's
-commands and quick tests without the template's package, and `copier update` brings a later template change;
-with `examples=minimal` it has none of the larger examples."""
+"""This repository as a copier template: a generated project holds its own package (the task, nets and data, renamed
+after it) beside the engine (`starter`, as it is), runs its README's commands, quick tests and every mode of its set
+with its own copy of the engine; `copier update` brings an engine change without touching the user's files, and
+moves a project generated with the engine inside its package to the two packages, keeping the user's edits; with
+`examples=minimal` it has none of the larger examples."""
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
+from io import BytesIO
 
 import pytest
 
@@ -15,9 +20,14 @@ pytest.importorskip("copier", reason="copier is in the dev extra")
 pytestmark = pytest.mark.slow
 IGNORED = shutil.ignore_patterns(".git", ".venv", "logs", "outputs", "multirun", "*.egg-info", "__pycache__",
                                  ".pytest_cache", ".ruff_cache", ".whl", ".gpu")  # fmt: skip
-# The template's own package is installed in this environment: any import of it must fail in the project.
 EXAMPLES = ["full", "minimal"]
-WITHOUT_STARTER = "import runpy, sys; sys.modules['starter'] = None; sys.argv = sys.argv[1:]; "
+PACKAGE = "ourvision"  # the project's package: the template's `mynet` renamed
+# The template's own packages are installed in this environment: the project imports its own engine, and the
+# template's project package not at all.
+OWN_ENGINE = (
+    "import os, runpy, sys; sys.modules['mynet'] = None; import starter;"
+    " assert starter.__file__.startswith(os.getcwd()), starter.__file__; sys.argv = sys.argv[1:]; "
+)
 
 
 def git(cwd, *args):
@@ -43,13 +53,15 @@ def template(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def projects(template, tmp_path_factory) -> dict:
-    """{examples: generated project}: one project of each example set, package `mynet`, every other default."""
-    made = {}
-    for examples in EXAMPLES:
-        made[examples] = tmp_path_factory.mktemp(examples) / "mynet-project"
-        copier(made[examples].parent, "copy", "--trust", "--vcs-ref", "HEAD", "--defaults", "-d", "package_name=mynet",
-               "-d", f"examples={examples}", str(template), str(made[examples]))  # fmt: skip
-    return made
+    """{examples: generated project}: one project of each example set, package PACKAGE, every other default."""
+    return {examples: generate(template, tmp_path_factory.mktemp(examples), examples) for examples in EXAMPLES}
+
+
+def generate(template, folder, examples: str, ref: str = "HEAD"):
+    project = folder / f"{PACKAGE}-project"
+    copier(folder, "copy", "--trust", "--vcs-ref", ref, "--defaults", "-d", f"package_name={PACKAGE}",
+           "-d", f"examples={examples}", str(template), str(project))  # fmt: skip
+    return project
 
 
 def in_projects(projects: dict, code: str, *args) -> dict:
@@ -58,7 +70,7 @@ def in_projects(projects: dict, code: str, *args) -> dict:
     procs = {}
     for examples, project in projects.items():
         env = dict(os.environ, PYTHONPATH=str(project / "src"))
-        procs[examples] = subprocess.Popen([sys.executable, "-c", WITHOUT_STARTER + code, *args], cwd=project, env=env,
+        procs[examples] = subprocess.Popen([sys.executable, "-c", OWN_ENGINE + code, *args], cwd=project, env=env,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     done = {}
     for examples, proc in procs.items():
@@ -69,9 +81,13 @@ def in_projects(projects: dict, code: str, *args) -> dict:
 
 @pytest.fixture(scope="module")
 def quick_runs(projects) -> dict:
-    """{examples: (train run, test run)}: `python train.py debug=fdr`, then the whole test suite collected (every
-    test module imported: a left-out example still imported fails there) and the config and lint tests run."""
+    """{examples: (train run, test run)}: `python train.py debug=fdr` in every multi-process mode the minimal set has
+    (one process for the full one), then the whole test suite collected (every test module imported: a left-out
+    example still imported fails there) and the config and lint tests run."""
+    modes = ["-m", "strategy=ddp,ddp_spawn,fsdp,tp,pp", "devices=2", "accelerator=cpu"]
     trains = in_projects(projects, "runpy.run_path('train.py', run_name='__main__')", "train.py", "debug=fdr")
+    trains["minimal"] = in_projects({"minimal": projects["minimal"]}, "runpy.run_path('train.py', run_name='__main__')",
+                                    "train.py", "debug=fdr", *modes)["minimal"]  # fmt: skip
     tests = in_projects(projects, "import pytest; sys.exit(pytest.main(sys.argv))", "-q", "-p", "no:cacheprovider",
                         "-m", "not slow", "-k", "test_config.py or test_tooling.py", "tests")  # fmt: skip
     return {examples: (trains[examples], tests[examples]) for examples in EXAMPLES}
@@ -87,20 +103,28 @@ def files_mentioning(project, words) -> list[str]:
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
-def test_the_generated_project_is_named_after_its_package_everywhere(projects, examples):
+def test_the_generated_project_holds_its_package_beside_the_engine_as_it_is(projects, examples):
     project = projects[examples]
-    assert (project / "src" / "mynet" / "run.py").is_file() and not (project / "src" / "starter").exists()
-    assert 'name = "mynet"' in (project / "pyproject.toml").read_text()
-    assert (project / "README.md").read_text().startswith("# mynet: a Lightning + Hydra project\n")
-    assert "_target_: mynet.models.classifier.Classifier" in (project / "conf/model/base/classifier.yaml").read_text()
-    assert files_mentioning(project, ["starter", "full examples"]) == []  # nor the template's markers
+    assert (project / "src" / PACKAGE / "models" / "classifier.py").is_file() and not (
+        project / "src" / "mynet"
+    ).exists()
+    engine = [p.relative_to(project / "src") for p in (project / "src" / "starter").rglob("*.py")]
+    assert engine and all((ROOT / "src" / p).read_bytes() == (project / "src" / p).read_bytes() for p in engine)
+    assert f'name = "{PACKAGE}"' in (project / "pyproject.toml").read_text()
+    assert (project / "README.md").read_text().startswith(f"# {PACKAGE}: a Lightning + Hydra project\n")
+    target = f"_target_: {PACKAGE}.models.classifier.Classifier"
+    assert target in (project / "conf/model/base/classifier.yaml").read_text()
+    assert files_mentioning(project, ["mynet", "full examples"]) == []  # nor the template's markers
     assert not (project / ".copier").exists() and not (project / "copier.yml").exists()
+    if examples == "minimal":  # what its user owns, and reads to adapt it
+        lines = sum(len(p.read_text().splitlines()) for p in (project / "src" / PACKAGE).rglob("*.py"))
+        assert lines <= 1000, lines
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_the_minimal_project_has_none_of_the_larger_examples_and_the_full_one_has_them_all(projects, examples):
     project = projects[examples]
-    larger = ["src/mynet/data/imagenet.py", "src/mynet/models/nets/torchvision.py", "conf/data/imagenet.yaml",
+    larger = ["src/starter/data/imagenet.py", f"src/{PACKAGE}/models/nets/torchvision.py", "conf/data/imagenet.yaml",
               "conf/model/resnet50.yaml", "conf/model/vit_s16.yaml", "conf/experiment/imagenet_resnet50.yaml",
               "conf/launcher/slurm.yaml", "tests/test_image_folder.py", "benchmarks/gpu_scaling.py"]  # fmt: skip
     assert [(project / p).exists() for p in larger] == [examples == "full"] * len(larger)
@@ -129,8 +153,8 @@ def test_the_generated_project_locks_its_own_dependencies_at_the_template_versio
         return {(p["name"], p.get("version")) for p in tomllib.loads(lock_file.read_text())["package"]}
 
     ours, template = versions(project / "uv.lock"), versions(ROOT / "uv.lock")
-    assert ("mynet", "0.1.0") in ours and ("torch", "2.14.1") in ours
-    assert ours - {("mynet", "0.1.0")} <= template  # no version moved; minimal only dropped packages
+    assert (PACKAGE, "0.1.0") in ours and ("torch", "2.14.1") in ours
+    assert ours - {(PACKAGE, "0.1.0")} <= template  # no version moved; minimal only dropped packages
     assert any(name == "submitit" for name, _ in ours) == (examples == "full")
 
 
@@ -138,25 +162,81 @@ def test_the_generated_project_locks_its_own_dependencies_at_the_template_versio
 def test_the_generated_project_trains_and_passes_its_quick_tests_without_the_template_package(quick_runs, examples):
     run, tests = quick_runs[examples]
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "run directory: logs/train/runs/" in run.stdout
+    if examples == "minimal":  # each mode's job ended with its table
+        assert run.stdout.count("run directory: ") == 5, run.stdout[-3000:]
+    else:
+        assert "run directory: logs/train/runs/" in run.stdout
     assert tests.returncode == 0, tests.stdout[-3000:]
     assert " error" not in tests.stdout and " passed" in tests.stdout
 
 
-def test_copier_update_brings_a_later_template_change_into_the_renamed_package(template, projects, tmp_path):
+def committed(folder) -> None:
+    git(folder, "init", "-q")
+    git(folder, "add", "-A")
+    git(folder, "commit", "-qm", "generated")
+
+
+def contents(folder, *parts: str) -> dict:
+    """{path: sha256} of every file under `folder`'s `parts`."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for part in parts
+            for p in sorted((folder / part).rglob("*")) if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+
+
+def test_copier_update_brings_an_engine_change_and_touches_nothing_of_the_users(template, projects, tmp_path):
     project = tmp_path / "project"  # the minimal one: the examples it left out must stay out
     shutil.copytree(projects["minimal"], project, ignore=shutil.ignore_patterns("logs"))
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    committed(project)
+    users = ("src/" + PACKAGE, "conf/model", "conf/data", "conf/experiment", "tests")
+    before = contents(project, *users)
     with open(template / "src" / "starter" / "__init__.py", "a") as f:
         f.write("TEMPLATE_CHANGE = 1\n")
-    git(template, "commit", "-qam", "a later template change")
+    git(template, "commit", "-qam", "a later change of the engine")
     copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
-    assert "TEMPLATE_CHANGE = 1" in (project / "src" / "mynet" / "__init__.py").read_text()
-    assert not (project / "src" / "starter").exists() and not (project / "src" / "mynet" / "starter").exists()
+    assert "TEMPLATE_CHANGE = 1" in (project / "src" / "starter" / "__init__.py").read_text()
+    assert contents(project, *users) == before  # no file of the user's changed, none added
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
+    assert status.split() == ["M", "src/starter/__init__.py", "M", ".copier-answers.yml"] or sorted(
+        status.splitlines()
+    ) == [" M .copier-answers.yml", " M src/starter/__init__.py"], status
     assert (
-        not (project / "src" / "mynet" / "data" / "imagenet.py").exists()
-        and not (project / "conf" / "launcher").exists()
+        not (project / "src" / "starter" / "data" / "imagenet.py").exists() and not (project / "conf/launcher").exists()
     )
-    assert "full examples" not in (project / "README.md").read_text()
+
+
+def old_layout_commit() -> str | None:
+    """The last commit of this repository whose project held the engine inside its package (before src/mynet)."""
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "src/mynet/models/classifier.py"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.split()  # fmt: skip
+    return f"{added[-1]}^" if added else None
+
+
+def test_a_project_generated_with_the_engine_in_its_package_updates_to_the_two_keeping_the_users_edits(tmp_path):
+    old = old_layout_commit()
+    if old is None:
+        pytest.skip("this checkout has no history of the layout before the two packages (a shallow clone)")
+    template = tmp_path / "template"  # its history: the old layout, then this working tree
+    archive = subprocess.run(["git", "archive", old], cwd=ROOT, capture_output=True, check=True).stdout
+    tarfile.open(fileobj=BytesIO(archive)).extractall(template, filter="data")
+    git(template, "init", "-q")
+    git(template, "add", "-A")
+    git(template, "commit", "-qm", "the old layout")
+    project = generate(template, tmp_path, "minimal")
+    assert (project / "src" / PACKAGE / "launch" / "watchdog.py").is_file()  # the engine inside the user's package
+    classifier = project / "src" / PACKAGE / "models" / "classifier.py"
+    classifier.write_text(classifier.read_text() + "\nUSERS_OWN = 1  # the user's edit\n")
+    mlp = project / "conf" / "model" / "mlp.yaml"
+    mlp.write_text(mlp.read_text().replace("width: 256", "width: 128"))
+    committed(project)
+    shutil.rmtree(template / "src")
+    shutil.copytree(ROOT, template, ignore=IGNORED, dirs_exist_ok=True)
+    git(template, "add", "-A")
+    git(template, "commit", "-qm", "two packages")
+    copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
+    assert "USERS_OWN = 1" in classifier.read_text() and "width: 128" in mlp.read_text()  # the user's edits, kept
+    assert not (project / "src" / PACKAGE / "launch").exists() and (project / "src" / "starter" / "run.py").is_file()
+    assert files_mentioning(project, ["<<<<<<<", ">>>>>>>"]) == [] and not list(project.rglob("*.rej"))
+    run = in_projects({"updated": project}, "runpy.run_path('train.py', run_name='__main__')", "train.py",
+                      "debug=fdr")["updated"]  # fmt: skip
+    assert run.returncode == 0 and "width: 128" in next(project.glob("logs/train/runs/*/config.yaml")).read_text(), (
+        run.stderr[-3000:]
+    )
