@@ -383,8 +383,8 @@ class DiffersWhenTraced(TakesBranches):
 
 
 class RecordModules(L.Callback):
-    """At the end of the test, writes which modules of the engine (starter) and the project (mynet) the process has
-    imported."""
+    """At the end of the test, writes which modules of the engine (starter) and of the project
+    (mynet) the process has imported."""
 
     def __init__(self, output: str):
         self.output = Path(output)

@@ -1,6 +1,7 @@
-"""The packages' shape holds: the engine (starter) never imports the project's package (mynet), which it reaches only
-through config `_target_`s; no import cycles, between modules or between folders; every import runs down the layers
-below; and what runs before launch (config errors, --help) imports neither torch nor Lightning."""
+"""The packages' shape holds: the engine (starter) never imports the project's package
+(mynet), which it reaches only through config `_target_`s; no import cycles, between modules or between folders;
+every import runs down the layers below; and what runs before launch (config errors, --help) imports neither torch
+nor Lightning."""
 
 import ast
 import subprocess

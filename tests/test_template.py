@@ -84,10 +84,10 @@ def quick_runs(projects) -> dict:
     """{examples: (train run, test run)}: `python train.py debug=fdr` in every multi-process mode the minimal set has
     (one process for the full one), then the whole test suite collected (every test module imported: a left-out
     example still imported fails there) and the config and lint tests run."""
-    modes = ["-m", "strategy=ddp,ddp_spawn,fsdp,tp,pp", "devices=2", "accelerator=cpu"]
+    modes = ["-m", "debug=fdr", "strategy=ddp,ddp_spawn,fsdp,tp,pp", "devices=2", "accelerator=cpu"]
     trains = in_projects(projects, "runpy.run_path('train.py', run_name='__main__')", "train.py", "debug=fdr")
     trains["minimal"] = in_projects({"minimal": projects["minimal"]}, "runpy.run_path('train.py', run_name='__main__')",
-                                    "train.py", "debug=fdr", *modes)["minimal"]  # fmt: skip
+                                    "train.py", *modes)["minimal"]  # fmt: skip
     tests = in_projects(projects, "import pytest; sys.exit(pytest.main(sys.argv))", "-q", "-p", "no:cacheprovider",
                         "-m", "not slow", "-k", "test_config.py or test_tooling.py", "tests")  # fmt: skip
     return {examples: (trains[examples], tests[examples]) for examples in EXAMPLES}
@@ -105,11 +105,12 @@ def files_mentioning(project, words) -> list[str]:
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_the_generated_project_holds_its_package_beside_the_engine_as_it_is(projects, examples):
     project = projects[examples]
-    assert (project / "src" / PACKAGE / "models" / "classifier.py").is_file() and not (
-        project / "src" / "mynet"
-    ).exists()
+    assert (project / "src" / PACKAGE / "models" / "classifier.py").is_file()
+    assert not (project / "src" / "mynet").exists()
     engine = [p.relative_to(project / "src") for p in (project / "src" / "starter").rglob("*.py")]
-    assert engine and all((ROOT / "src" / p).read_bytes() == (project / "src" / p).read_bytes() for p in engine)
+    unmarked = [p for p in engine if "full examples" not in (ROOT / "src" / p).read_text()]  # as they are
+    differ = [str(p) for p in unmarked if (ROOT / "src" / p).read_bytes() != (project / "src" / p).read_bytes()]
+    assert unmarked and differ == [], differ
     assert f'name = "{PACKAGE}"' in (project / "pyproject.toml").read_text()
     assert (project / "README.md").read_text().startswith(f"# {PACKAGE}: a Lightning + Hydra project\n")
     target = f"_target_: {PACKAGE}.models.classifier.Classifier"
@@ -195,12 +196,10 @@ def test_copier_update_brings_an_engine_change_and_touches_nothing_of_the_users(
     assert "TEMPLATE_CHANGE = 1" in (project / "src" / "starter" / "__init__.py").read_text()
     assert contents(project, *users) == before  # no file of the user's changed, none added
     status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
-    assert status.split() == ["M", "src/starter/__init__.py", "M", ".copier-answers.yml"] or sorted(
-        status.splitlines()
-    ) == [" M .copier-answers.yml", " M src/starter/__init__.py"], status
-    assert (
-        not (project / "src" / "starter" / "data" / "imagenet.py").exists() and not (project / "conf/launcher").exists()
-    )
+    changed = sorted(line.split()[-1] for line in status.splitlines())
+    assert changed == [".copier-answers.yml", "src/starter/__init__.py"], status
+    assert not (project / "src" / "starter" / "data" / "imagenet.py").exists()  # minimal stays minimal
+    assert not (project / "conf" / "launcher").exists()
 
 
 def old_layout_commit() -> str | None:
