@@ -8,15 +8,28 @@ from pathlib import Path
 from starter.atomic_write import unlink_symlink
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file's
+ENGINE = str(Path(__file__).parents[1])  # the engine's folder: its own lines go by their logger's name
 
 
 class Console(logging.Filter):
-    """This starter's lines and anything at ERROR, but those marked `extra={"file_only": True}` (or by file_only)."""
+    """The engine's lines, the project's (any code outside the installed libraries and Python's own: the project's
+    package, a package of the user's), and anything at ERROR; but those marked `extra={"file_only": True}` (or by
+    file_only)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "file_only", False):
             return False
-        return record.name.startswith("starter") or record.levelno >= logging.ERROR
+        if record.name.startswith("starter") or record.levelno >= logging.ERROR:
+            return True
+        return not (record.pathname.startswith(ENGINE) or library(record.pathname))  # the engine's go by name
+
+
+def library(path: str) -> bool:
+    """Whether `path` is the code of an installed library or of Python itself."""
+    import sysconfig
+
+    places = {sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib", "platstdlib")}
+    return path.startswith(tuple(places)) or "site-packages" in path or "dist-packages" in path
 
 
 def file_only(record: logging.LogRecord) -> bool:
