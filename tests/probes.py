@@ -420,14 +420,19 @@ class RecordSamples(L.Callback):
 
 class KilledAtStep(L.Callback):
     """SIGKILLs this process as training step `step` begins (mid-epoch), as a lost machine ends it (or sends it another
-    `signal`: SIGTERM, a scheduler's preemption, once)."""
+    `signal`: SIGTERM, a scheduler's preemption, once). `whole`: rank 0 sends it to its whole process group (its
+    train.py, every worker: a machine lost), which the test started in a session of its own."""
 
-    def __init__(self, step: int, signal: str = "SIGKILL"):
-        self.step, self.signal = step, signal
+    def __init__(self, step: int, signal: str = "SIGKILL", whole: bool = False):
+        self.step, self.signal, self.whole = step, signal, whole
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and self.signal:
-            os.kill(os.getpid(), getattr(signal, self.signal))
+            if not self.whole:
+                os.kill(os.getpid(), getattr(signal, self.signal))
+            elif trainer.is_global_zero:
+                assert os.getpgid(0) == os.getsid(0), "whole=true needs train.py started in a session of its own"
+                os.killpg(os.getpgid(0), getattr(signal, self.signal))
             self.signal = None
 
 
@@ -435,15 +440,16 @@ class RefusedCommitAtStep(L.Callback):
     """Makes torchft's quorum refuse training step `step` once in this replica group (None: the `after`th step this
     process trains, or with `epoch_end` the first after it that ends an epoch), after its gradients were averaged
     with the others' (as an error this group alone met there would), and writes each training step's number as its
-    backward ends into `output` (a step trained again appears twice)."""
+    backward ends into `output`, from rank 0 (a step trained again appears twice)."""
 
     def __init__(self, output: str, step: int | None = None, after: int = 5, epoch_end: bool = False):
         self.step, self.after, self.epoch_end, self.output, self.refused = step, after, epoch_end, Path(output), False
 
     def on_after_backward(self, trainer, pl_module) -> None:
         step = trainer.global_step + 1
-        with self.output.open("a") as f:
-            f.write(f"{step}\n")
+        if trainer.is_global_zero:
+            with self.output.open("a") as f:
+                f.write(f"{step}\n")
         if self.step is None:  # with epoch_end, the first that ends an epoch (the others then cross it first)
             self.step = step + self.after - 1
             while self.epoch_end and self.step % trainer.num_training_batches:
@@ -473,5 +479,6 @@ class SlowWhileAlone(L.Callback):
             time.sleep(self.seconds)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        with self.output.open("a") as f:
-            f.write(f"{trainer.global_step} {time.monotonic()}\n")
+        if trainer.is_global_zero:
+            with self.output.open("a") as f:
+                f.write(f"{trainer.global_step} {time.monotonic()}\n")

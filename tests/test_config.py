@@ -187,9 +187,14 @@ def test_help_lists_config_groups():
         (["trainer.check_val_every_n_epoch=0"], "^trainer.check_val_every_n_epoch=0: give a whole number of 1 or"),
         # fault_tolerance=torchft: what it cannot run, said before any group starts
         (
-            ["fault_tolerance=torchft", "strategy=fsdp", "devices=2"],
-            "^fault_tolerance=torchft with strategy=fsdp: "
-            "a replica group runs ddp \\(or one process\\) inside; use strategy=ddp$",
+            ["fault_tolerance=torchft", "strategy=tp", "devices=2"],
+            "^fault_tolerance=torchft with strategy=tp: "
+            "a replica group runs ddp or fsdp \\(or one process\\) inside; use strategy=ddp or fsdp$",
+        ),
+        (
+            ["fault_tolerance=torchft", "strategy=fsdp", "devices=4", "strategy.tensor_parallel_size=2"],
+            "^fault_tolerance=torchft with strategy=fsdp at tensor_parallel_size=2, pipeline_parallel_size=1: a"
+            " replica group shards data only \\(fsdp inside, averaged across groups\\); set both to 1$",
         ),
         (["fault_tolerance=torchft", "fault_tolerance.replica_group=2"], "=2: the groups are 0 to 1"),
         (["fault_tolerance=torchft", "precision=16-mixed"], "a joining group would not get the loss scale"),

@@ -37,7 +37,7 @@ class Traits:
     whole_weights: bool = True  # every process holds every weight (what weight averaging needs)
     syncs_batchnorm: bool = False  # sync_batchnorm=true: BatchNorm statistics over the global batch (GPUs)
     channels_last_weights: bool = True  # conv weights may be stored NHWC (FSDP2 shards contiguous ones only)
-    fault_tolerant: Support = "a replica group runs ddp (or one process) inside"  # fault_tolerance=torchft
+    fault_tolerant: Support = "a replica group runs ddp or fsdp (or one process) inside"  # fault_tolerance=torchft
 
     @classmethod
     def of(cls, strategy_cfg) -> "Traits":
@@ -243,7 +243,7 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
                 " on CPU each process normalises with its own batch statistics"
             )
     if cfg.get("fault_tolerance"):
-        _check_fault_tolerance(cfg, traits)
+        _check_fault_tolerance(cfg, traits, layout)
     if cfg.strategy.get("cpu_offload") and device_type(cfg) == "cpu":
         raise UserError(
             f"strategy.cpu_offload=true moves {name}'s shards from GPU to CPU memory, and this run is on"
@@ -251,12 +251,20 @@ def _check_capabilities(cfg: DictConfig, traits: Traits, layout: Layout) -> None
         )
 
 
-def _check_fault_tolerance(cfg: DictConfig, traits: Traits) -> None:
+def _check_fault_tolerance(cfg: DictConfig, traits: Traits, layout: Layout) -> None:
     import importlib.util
 
     ft, name = cfg.fault_tolerance, cfg.strategy.name
     if (reason := why_not(traits.fault_tolerant)) is not None:
-        raise UserError(f"fault_tolerance=torchft with strategy={name}: {reason or 'not supported'}; use strategy=ddp")
+        raise UserError(
+            f"fault_tolerance=torchft with strategy={name}: {reason or 'not supported'}; use strategy=ddp or fsdp"
+        )
+    if layout.data_parallel != layout.world:
+        raise UserError(
+            f"fault_tolerance=torchft with strategy={name} at tensor_parallel_size={layout.tensor_parallel},"
+            f" pipeline_parallel_size={layout.pipeline_parallel}: a replica group shards data only (fsdp inside,"
+            " averaged across groups); set both to 1"
+        )
     if not ft.replica_group < ft.replica_groups:
         raise UserError(
             f"fault_tolerance.replica_group={ft.replica_group}: the groups are 0 to {ft.replica_groups - 1}"

@@ -1,6 +1,7 @@
 """fault_tolerance=torchft: a lost replica group costs a step, not a restart (torchft, `pip install -e '.[ft]'`).
 
-Each replica group is a run of its own (its own train.py, ranks, run directory, checkpoints), ddp inside it. Every
+Each replica group is a run of its own (its own train.py, ranks, run directory, checkpoints), ddp or fsdp inside it
+(fsdp: HSDP, each group's shards averaged with the same shard of every other group, groups of one size). Every
 step, torchft's Manager asks the lighthouse for a quorum of the live groups, averages the gradients over them through a
 process group that shrinks when a group is lost and grows when one comes back, and the optimizer steps only where the
 quorum commits; a step it does not commit is redone on the same batch. A group that starts late, or comes back, joins
@@ -18,7 +19,7 @@ import time
 from datetime import timedelta
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.tensor import DTensor
 
 from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
@@ -68,7 +69,15 @@ def start_lighthouse(ft) -> None:
     log.info("replica group 0 started the lighthouse at %s (a process of its own: it outlives this group)", address)
 
 
-class FaultTolerantDDP(DDPStrategy):
+def fault_tolerant(strategy_class: type) -> type:
+    """`strategy_class` (ddp's, fsdp's: a strategy whose traits declare `fault_tolerant`) with torchft's replica
+    groups over it."""
+    return type(f"FaultTolerant{strategy_class.__name__}", (FaultTolerant, strategy_class), {})
+
+
+class FaultTolerant:
+    """Mixed into a data-parallel strategy (fault_tolerant above): torchft's manager across the replica groups."""
+
     def __init__(self, *, fault_tolerance, agreed: str = "{}", **kwargs):
         super().__init__(**kwargs)
         self.ft, self.agreed, self.disagreement = fault_tolerance, agreed, None
@@ -89,8 +98,8 @@ class FaultTolerantDDP(DDPStrategy):
             kwargs, num_replicas=world * self.ft.replica_groups, rank=self.ft.replica_group * world + kwargs["rank"]
         )
 
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the group's own processes: its process group (and fsdp's mesh)
         if self.manager is not None or not self.lightning_module.trainer.training:  # evaluation: within the group
             return
         ft = torchft()
@@ -125,6 +134,7 @@ class FaultTolerantDDP(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not self.lightning_module.automatic_optimization or len(self.optimizers) != 1:
             raise UserError("fault_tolerance=torchft trains a module with one optimizer and automatic optimization")
+        self.parameters_by_name = dict(self.lightning_module.named_parameters())  # fsdp's shards, outside forward
         self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})  # a resumed run's
         self.healed, self.behind, self.joining = None, 0, True
         optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
@@ -277,24 +287,27 @@ class FaultTolerantDDP(DDPStrategy):
 
     def _average(self, optimizer, contributes: bool) -> bool:
         """Every gradient averaged over the quorum's groups in one all-reduce (none: zeros); returns whether any group
-        contributed one (a group joining contributes none)."""
+        contributed one (a group joining contributes none). Under fsdp, this process's shards: torchft's process group
+        pairs each rank with the same rank of every group, which holds the same shards."""
         params = _parameters(optimizer)
+        device = self.root_device  # fsdp's cpu_offload keeps shards and their gradients in CPU memory
         flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-            + [torch.full((1,), float(contributes), device=self.root_device)]
-        )
+            [_local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
+             for p in params] + [torch.full((1,), float(contributes), device=device)]
+        )  # fmt: skip
         try:
             self._waited(lambda: self.manager.allreduce(flat).wait())  # it waits for the quorum first
         except FAILURES as err:  # the quorum itself failed (a failed all-reduce is the commit's: refused)
             raise self._failed(err) from None
         offset = 0
         for p in params:
-            chunk = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+            shard = _local(p)
+            chunk = flat[offset : offset + shard.numel()].view_as(shard).to(shard.device, p.dtype)
+            offset += shard.numel()
             if p.grad is None:
-                p.grad = chunk.clone()
+                p.grad = _placed_as(p, chunk.clone())
             else:
-                p.grad.copy_(chunk)
+                _local(p.grad).copy_(chunk)
         return not contributes and bool(flat[-1] > 0)  # read only when joining: the training step stays async
 
     def _state(self) -> dict:
@@ -303,19 +316,32 @@ class FaultTolerantDDP(DDPStrategy):
         trainer = self.lightning_module.trainer
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed % max(trainer.num_training_batches, 1)
         return {
-            "model": self.lightning_module.state_dict(),
-            "optimizer": self.optimizers[0].state_dict(),
+            "model": _local(self._weights()),  # fsdp: this rank's shards, the healing rank's too
+            "optimizer": _local(self.optimizers[0].state_dict()),
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "position": torch.tensor([trainer.current_epoch, done, trainer.global_step]),
         }
+
+    def _weights(self) -> dict:
+        """The module's parameters by name, as the optimizer holds them (fsdp's shards: the gathered ones it swaps in
+        for forward and backward, which run meanwhile, are not read, nor its state-dict hooks called), and its
+        buffers; read and written in torchft's quorum thread."""
+        return self.parameters_by_name | dict(self.lightning_module.named_buffers())
 
     def _heal(self, state: dict) -> None:
         """Joining: the live group's state as it is. Mid-run (a step only this group's quorum refused), its weights and
         optimizer, but this group's lr schedule: its loop, catching up, makes the calls theirs made (none twice)."""
         trainer, optimizer = self.lightning_module.trainer, self.optimizers[0]
-        self.lightning_module.load_state_dict(state["model"])
+        with torch.no_grad():  # in place: fsdp's shards stay where they are
+            for name, tensor in self._weights().items():
+                _local(tensor).copy_(state["model"][name])
         own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(state["optimizer"])  # its lr applies the step this group heals in
+        params, saved = _parameters(optimizer), state["optimizer"]
+        saved["state"] = {
+            i: {k: _placed_as(params[i], v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in s.items()}
+            for i, s in saved["state"].items()
+        }
+        optimizer.load_state_dict(saved)  # its lr applies the step this group heals in
         if self.joining:
             for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
                 config.scheduler.load_state_dict(saved)
@@ -363,7 +389,24 @@ def _parameters(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _saying_quorums(process_group_class, strategy: FaultTolerantDDP, **kwargs):
+def _local(state):
+    """`state` (a tensor, or dicts and lists of them) with fsdp's sharded tensors (DTensors) as this process's shard."""
+    if isinstance(state, dict):
+        return {k: _local(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_local(v) for v in state)
+    return state.to_local() if isinstance(state, DTensor) else state
+
+
+def _placed_as(parameter, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` (this process's) as `parameter` is held: a DTensor over the same mesh where fsdp shards it."""
+    if not isinstance(parameter, DTensor):
+        return shard
+    mesh, placements = parameter.device_mesh, parameter.placements
+    return DTensor.from_local(shard, mesh, placements, shape=parameter.shape, stride=parameter.stride())
+
+
+def _saying_quorums(process_group_class, strategy: FaultTolerant, **kwargs):
     """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
 
     class Quorum(process_group_class):

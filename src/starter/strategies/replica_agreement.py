@@ -24,6 +24,7 @@ def agreed_config(cfg, world: int) -> str:
     trainer = {k: config["trainer"].get(k) for k in ("max_epochs", "max_steps", "gradient_clip_val")}
     data = {k: v for k, v in (config.get("data") or {}).items() if k not in HOST_OWN}
     chosen = {"model": config["model"], "data": data, "trainer": trainer, "precision": config["precision"]}
+    chosen |= {"strategy": config["strategy"]["name"]}  # ddp's gradients, or fsdp's shards of them
     chosen |= {
         "seed": config["seed"],
         "fault_tolerance": {"replica_groups": config["fault_tolerance"]["replica_groups"]},
