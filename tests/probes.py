@@ -61,14 +61,15 @@ class SignalInPhase(L.Callback):
 
 
 class SlowSteps(L.Callback):
-    """Each training step takes `seconds` longer, as a large model's does; rank 0 writes when each step ended (its
-    global step, monotonic time) to `output`, a line each."""
+    """Each training step takes `seconds` longer, as a large model's does (with `until`: until that file exists);
+    rank 0 writes when each step ended (its global step, monotonic time) to `output`, a line each."""
 
-    def __init__(self, seconds: float, output: str):
-        self.seconds, self.output = seconds, Path(output)
+    def __init__(self, seconds: float, output: str, until: str | None = None):
+        self.seconds, self.output, self.until = seconds, Path(output), until and Path(until)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        time.sleep(self.seconds)  # within the step, before the callbacks that end it
+        if self.until is None or not self.until.exists():
+            time.sleep(self.seconds)  # within the step, before the callbacks that end it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.is_global_zero:

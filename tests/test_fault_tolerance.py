@@ -100,20 +100,22 @@ def test_two_replica_groups_train_as_ddp_and_a_refused_step_is_trained_again_not
 
 @pytest.mark.parametrize(
     "gone,lost_by,again,inside",
-    [(1, "SIGKILL", [], []), (1, "SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"], []),
-     (0, "SIGTERM", ["ckpt_path=auto"], []), (1, "SIGKILL", [], FSDP_INSIDE)],
-    ids=["group 1 killed, back afresh", "group 1 killed, back from its mid-epoch checkpoint",
-         "group 0 stopped (it started the lighthouse), back from its stop's save",
-         "fsdp inside: group 1's every process killed, back afresh, its shards healed"],
+    [(1, "SIGKILL", [], FSDP_INSIDE), (1, "SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"], []),
+     (0, "SIGTERM", ["ckpt_path=auto"], [])],
+    ids=["fsdp inside: group 1's every process killed, back afresh, its shards healed",
+         "group 1 killed, back from its mid-epoch checkpoint",
+         "group 0 stopped (it started the lighthouse), back from its stop's save"],
 )  # fmt: skip
 def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_heals_equal(
     gone, lost_by, again, inside, tmp_path
 ):
-    """A group is SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins, group 0 too,
+    """A group (one process; or fsdp over two, its train.py and workers SIGKILLed together, as a host is lost) is
+    SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins, group 0 too,
     whose train.py started the lighthouse (a process of its own, which outlives it): the other names it within a
     heartbeat and a step, and trains on in the same process (its steps never start again), slowed while alone. The
     lost group started again (afresh, or resuming its own mid-epoch last.ckpt; group 0 finds the lighthouse on its
-    port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position), it trains with it; a
+    port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position; under fsdp each rank's
+    shards from the same rank's), it trains with it; a
     step its quorum refuses where the survivor's commits heals it again (an epoch's last: the survivor crosses the
     epoch's end, and steps its lr schedule, first). Both end with equal weights, logging at the same steps, and the
     test accuracy of a 5-epoch run."""
@@ -195,16 +197,18 @@ def test_a_group_joining_in_a_step_makes_the_scheduler_calls_the_live_groups_loo
 def test_a_group_joining_with_a_wider_net_is_refused_in_one_line_before_any_collective_and_the_others_train_on(
     tmp_path,
 ):
-    # Group 0 trains alone (it waits 1 s for the others); group 1 comes with a wider net: its gradients would not fit
-    # group 0's all-reduce (a C++ abort). Its config is compared with group 0's as the quorum forms: refused in one
-    # line, exit 2; group 0 trains on to its end.
+    # Group 0 trains alone (it waits 1 s for the others), slowly until group 1 has ended; group 1 comes with a wider
+    # net: its gradients would not fit group 0's all-reduce (a C++ abort). Its config is compared with group 0's as
+    # the quorum forms: refused in one line, exit 2; group 0 trains on to its end.
     port, alone = free_port(), ["trainer.max_epochs=12", "fault_tolerance.join_timeout_s=1"]
     survivor = group(tmp_path, 0, port, *alone, "+callbacks.slow._target_=probes.SlowSteps",
-                     "+callbacks.slow.seconds=0.1", f"+callbacks.slow.output={tmp_path / 'steps0'}")  # fmt: skip
+                     "+callbacks.slow.seconds=0.1", f"+callbacks.slow.output={tmp_path / 'steps0'}",
+                     f"+callbacks.slow.until={tmp_path / 'refused'}")  # fmt: skip
     while not (tmp_path / "steps0").exists():  # group 0 is training
         time.sleep(0.2)
     refused = group(tmp_path, 1, port, *alone, "model.net.width=64")
     _, err = refused.communicate(timeout=300)
+    (tmp_path / "refused").touch()
     lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback", "terminate"))]
     assert refused.returncode == 2 and lines == [
         "error: replica group 1 trains another config than replica group 0: model.net.width=64 (replica group 0:"
