@@ -197,6 +197,7 @@ def test_help_lists_config_groups():
             " replica group shards data only \\(fsdp inside, averaged across groups\\); set both to 1$",
         ),
         (["fault_tolerance=torchft", "fault_tolerance.replica_group=2"], "=2: the groups are 0 to 1"),
+        (["fault_tolerance=torchft", "fault_tolerance.sync_every=0"], "^fault_tolerance.sync_every=0: give a whole"),
         (["fault_tolerance=torchft", "precision=16-mixed"], "a joining group would not get the loss scale"),
         (["fault_tolerance=torchft", "trainer.accumulate_grad_batches=2"], "accumulated batches would be lost"),
         (

@@ -173,6 +173,47 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     assert "Traceback" not in said + said_back
 
 
+OUTER_SGD = ["fault_tolerance.outer_optimizer.lr=1.0", "fault_tolerance.outer_optimizer.momentum=0",
+             "fault_tolerance.outer_optimizer.nesterov=false"]  # fmt: skip
+
+
+def test_diloco_syncing_every_step_with_a_plain_outer_step_is_ddp_and_every_three_a_returning_group_heals_equal(
+    tmp_path, reference_weights
+):
+    """DiLoCo (fault_tolerance.sync_every): with H=1, an outer SGD of lr 1 and an inner SGD, the groups' averaged
+    pseudo-gradient is the averaged gradient times the lr, so two groups of one process are one process with the same
+    global batch. With H=3, group 1 SIGKILLed at step 10 and started again afresh joins at the survivor's next sync,
+    healed (weights, inner and outer optimizer, the last synced weights, the data position): the run ends on a sync,
+    both groups with equal weights, validating at the same steps."""
+    port, every_step = free_port(), ["fault_tolerance.sync_every=1", *OUTER_SGD]
+    procs = [group(tmp_path / "h1", g, port, *MLP_20_STEPS, *every_step) for g in (0, 1)]
+    for proc in procs:
+        finished(proc)
+    weights = [model_weights(run_dir(tmp_path / "h1", g)) for g in (0, 1)]
+    assert max_difference(weights[0], weights[1]) == 0 and max_difference(weights[0], reference_weights) < 1e-5
+
+    port, every_3 = free_port(), ["fault_tolerance.sync_every=3", "trainer.max_epochs=3"]
+    every_3 += ["+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.5"]
+    lost = group(tmp_path, 1, port, *every_3, f"+callbacks.slow.output={tmp_path / 'lost'}",
+                 "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10")  # fmt: skip
+    survivor = group(tmp_path, 0, port, *every_3, f"+callbacks.slow.output={tmp_path / 'kept'}")
+    lost.communicate(timeout=300)
+    assert lost.returncode == -9
+    time.sleep(HEARTBEAT_S)
+    back = group(tmp_path, 1, port, *every_3, f"+callbacks.slow.output={tmp_path / 'back'}")
+    said, said_back = finished(survivor), finished(back)
+    steps = [int(line.split()[0]) for line in (tmp_path / "kept").read_text().splitlines()]
+    assert steps == list(range(1, 58))  # never restarted
+    first = int((tmp_path / "back").read_text().split()[0])
+    assert first > 11 and (first - 1) % 3 == 0  # it began after a sync of the survivor's
+    assert "replica group 1 lost: training on with 1 of 2" in said and "replica group 1 joined" in said
+    runs = [run_dir(tmp_path, 0), run_dir(tmp_path, 1)]
+    assert max_difference(*(model_weights(r) for r in runs)) == 0
+    ends = validated_steps(runs[1])
+    assert set(ends) <= set(validated_steps(runs[0])) and ends[-1] == validated_steps(runs[0])[-1], ends
+    assert "Traceback" not in said + said_back
+
+
 @pytest.mark.parametrize("done", [3, 4])
 def test_a_group_joining_in_a_step_makes_the_scheduler_calls_the_live_groups_loop_makes_after_it(done):
     # 5 batches an epoch; the step joined in is the epoch's 4th (done=3) or its last (done=4): the live groups' loop

@@ -94,7 +94,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
 def serve_lighthouse(cfg: DictConfig) -> None:
     """fault_tolerance=torchft: replica group 0's train.py starts the lighthouse unless one is named."""
     if cfg.get("fault_tolerance"):
-        from starter.strategies.fault_tolerant import start_lighthouse
+        from starter.strategies.torchft_setup import start_lighthouse
 
         start_lighthouse(cfg.fault_tolerance)
 

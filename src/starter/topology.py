@@ -270,6 +270,12 @@ def _check_fault_tolerance(cfg: DictConfig, traits: Traits, layout: Layout) -> N
             f"fault_tolerance.replica_group={ft.replica_group}: the groups are 0 to {ft.replica_groups - 1}"
             f" (fault_tolerance.replica_groups={ft.replica_groups})"
         )
+    every = ft.get("sync_every")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise UserError(
+            f"fault_tolerance.sync_every={every}: give a whole number of 1 or more (DiLoCo: the groups meet every"
+            " so many steps), or null (they average their gradients every step)"
+        )
     if cfg.precision == "16-mixed":
         raise UserError(
             "fault_tolerance=torchft with precision=16-mixed: a joining group would not get the loss scale;"

@@ -23,50 +23,13 @@ from torch.distributed.tensor import DTensor
 
 from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
-from starter.errors import PREEMPTED_EXIT_CODE, UserError, one_line, to_stderr
-from starter.loggers.console import file_only
-from starter.strategies.replica_agreement import disagreement
-from starter.topology import TORCHFT_MISSING
+from starter.errors import PREEMPTED_EXIT_CODE, UserError, to_stderr
+from starter.strategies.torchft_setup import saying_quorums, torchft, weights_only_transport
 
 log = logging.getLogger(__name__)
 
-LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.checkpointing.http_transport", "torchft_errors")
 FAILURES = (TimeoutError, RuntimeError, OSError)  # torchft's, when no quorum can be had
 REDOS = 10  # a step the quorum refuses this often in a row ends the run: the groups cannot agree
-
-
-def torchft():
-    """torchft, imported; its servers' chatter off the console (Rust's, on stderr: warnings only) and its handled
-    errors in the run's log only (the line saying what they did to the step is ours)."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    for name in LOGGERS:
-        logging.getLogger(name).addFilter(file_only)
-    try:
-        import torchft
-    except ImportError:
-        raise UserError(TORCHFT_MISSING) from None
-    return torchft
-
-
-def start_lighthouse(ft) -> None:
-    """Replica group 0 starts the lighthouse (strategies/lighthouse.py: a process of its own, which outlives it) when no
-    address is given (`fault_tolerance.lighthouse`, else TORCHFT_LIGHTHOUSE); the other groups must be told where it
-    is."""
-    if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
-        os.environ["TORCHFT_LIGHTHOUSE"] = address
-        return
-    torchft()
-    from starter.strategies import lighthouse
-
-    try:
-        address = lighthouse.start(ft.lighthouse_port, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s)
-    except OSError as err:  # the port taken by something else
-        raise UserError(
-            f"replica group 0 cannot serve the lighthouse at port {ft.lighthouse_port} ({one_line(err)[:120]}); give"
-            " another fault_tolerance.lighthouse_port, the same to every group"
-        ) from None
-    os.environ["TORCHFT_LIGHTHOUSE"] = address
-    log.info("replica group 0 started the lighthouse at %s (a process of its own: it outlives this group)", address)
 
 
 def fault_tolerant(strategy_class: type) -> type:
@@ -82,7 +45,7 @@ class FaultTolerant:
         super().__init__(**kwargs)
         self.ft, self.agreed, self.disagreement = fault_tolerance, agreed, None
         self.joining = False
-        self.manager = None
+        self.manager, self.outer = None, None  # outer: fault_tolerance.sync_every (DiLoCo, outer_sync.py)
         self.groups: list[int] = []  # the replica groups of the last quorum
 
     @property
@@ -112,7 +75,7 @@ class FaultTolerant:
 
     def _manager(self, ft, groups, timeout: timedelta):
         return ft.Manager(
-            pg=_saying_quorums(groups, self, timeout=timeout),
+            pg=saying_quorums(groups, self, timeout=timeout),
             load_state_dict=self._heal,
             state_dict=self._state,
             min_replica_size=self.ft.min_replicas,
@@ -124,7 +87,8 @@ class FaultTolerant:
             store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
             replica_id=f"replica_group_{self.ft.replica_group}",
-            checkpoint_transport=_weights_only_transport(timeout=timeout, num_chunks=0),
+            checkpoint_transport=weights_only_transport(timeout=timeout, num_chunks=0),
+            use_async_quorum=not self.ft.get("sync_every"),  # DiLoCo's sync heals before it sends
         )
 
     def on_train_start(self) -> None:
@@ -138,13 +102,15 @@ class FaultTolerant:
         self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})  # a resumed run's
         self.healed, self.behind, self.joining = None, 0, True
         optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
+        if self.ft.get("sync_every"):
+            from starter.strategies.outer_sync import OuterSync
+
+            self.outer = OuterSync(self.manager, self.lightning_module, optimizer, self.ft)
+            if trainer.ckpt_path:
+                log.warning("resumed under DiLoCo: the outer optimizer starts again from this checkpoint's weights")
         while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
-            self.manager.start_quorum()
-            self._agree()
-            for p in _parameters(optimizer):
-                p.grad = None
-            stepped = self._average(optimizer, contributes=False)
-            if not self._committed():
+            committed, stepped = self._join_step(optimizer)
+            if not committed:
                 continue
             if (
                 stepped
@@ -162,7 +128,7 @@ class FaultTolerant:
                 self.ft.replica_groups,
             )
         self.joining = False
-        if stepped:  # the live groups' step, with their gradients, here too: the weights stay equal
+        if stepped and self.outer is None:  # the live groups' step, with their gradients, here too: weights equal
             clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             self.precision_plugin._clip_gradients(self.lightning_module, optimizer, *clip)  # as theirs are
             optimizer.step()
@@ -172,6 +138,19 @@ class FaultTolerant:
                 self._schedule_after(trainer, *self.healed)
             self._go_to(trainer, *self.healed, stepped)
             self.healed = None
+
+    def _join_step(self, optimizer) -> tuple[bool, bool]:
+        """One quorum of the join, as the live groups' own (a step's, or a DiLoCo sync): whether it committed, and
+        whether it took the live groups' step (this group contributing none)."""
+        if self.outer is not None:
+            committed = self._sync()
+            return committed, committed and self.live_step
+        self.manager.start_quorum()
+        self._agree()
+        for p in _parameters(optimizer):
+            p.grad = None
+        stepped = self._average(optimizer, contributes=False)
+        return self._committed(), stepped
 
     def _schedule_after(self, trainer, epoch: int, done: int, step: int) -> None:
         """The lr schedulers' calls the live groups' loop makes after the step this group joined in (Lightning's
@@ -185,6 +164,8 @@ class FaultTolerant:
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         trainer = self.lightning_module.trainer
+        if self.outer is not None:
+            return self._local_step(optimizer, closure, model, **kwargs)
         if self.behind:  # healed mid-run: the live groups trained this many more batches; these are not applied
             self.behind -= 1
             return closure()
@@ -209,6 +190,40 @@ class FaultTolerant:
             group.update(own)
         return output
 
+    def _local_step(self, optimizer, closure, model, **kwargs):
+        """DiLoCo: the step as Lightning makes it, then, every sync_every steps, the groups' sync. A group healed in
+        one (its last sync refused where the others' committed) trained as many steps as they did: only its lr stays
+        its own."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self.outer.due():
+            return output
+        if not self._sync():
+            log.warning(
+                "replica group %d: the quorum did not commit the sync at step %d; every group back at the last"
+                " synced weights, training on",
+                self.ft.replica_group,
+                self.lightning_module.trainer.global_step + 1,
+            )
+        elif self.healed is not None:
+            self.healed = None
+            for group, own in zip(optimizer.param_groups, self.own_groups):
+                group.update(own)
+        return output
+
+    def _sync(self) -> bool:
+        """A DiLoCo sync (outer_sync.py), waited on as torchft's other waits are; whether the quorum committed it. A
+        joining group whose config is not the others' is refused before it sends anything."""
+        self.live_step = False
+        try:
+            committed = self._waited(lambda: self.outer.sync(agreed=lambda: not (self.joining and self.disagreement)))
+        except FAILURES as err:
+            raise self._failed(err) from None
+        if committed is None:
+            raise UserError(self.disagreement)
+        if committed:
+            self.refused = 0
+        return committed or self._refused()
+
     def _agree(self) -> None:
         """The quorum formed (its groups' configs compared as it was configured): a group joining with a config the
         others do not train with is refused in one line, before its first collective."""
@@ -226,6 +241,10 @@ class FaultTolerant:
                 return True
         except FAILURES as err:
             raise self._failed(err) from None
+        return self._refused()
+
+    def _refused(self) -> bool:
+        """False; the run ended in one line where the quorum refused REDOS times in a row."""
         self.refused += 1
         if self.refused == REDOS:
             raise UserError(f"replica group {self.ft.replica_group}: {REDOS} quorums in a row did not commit a step")
@@ -319,7 +338,8 @@ class FaultTolerant:
             "model": _local(self._weights()),  # fsdp: this rank's shards, the healing rank's too
             "optimizer": _local(self.optimizers[0].state_dict()),
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            "position": torch.tensor([trainer.current_epoch, done, trainer.global_step]),
+            # where it is; 1 where it is in a step of its training (not joining): a group healing then takes it too
+            "position": torch.tensor([trainer.current_epoch, done, trainer.global_step, int(not self.joining)]),
         }
 
     def _weights(self) -> dict:
@@ -347,7 +367,7 @@ class FaultTolerant:
                 config.scheduler.load_state_dict(saved)
         else:
             self.own_groups = own
-        self.healed = [int(v) for v in state["position"]]
+        *self.healed, self.live_step = [int(v) for v in state["position"]]
         log.info("replica group %d healed from a live group at step %d", self.ft.replica_group, self.healed[2])
 
     def _go_to(self, trainer, epoch: int, done: int, step: int, stepped: bool) -> None:
@@ -404,45 +424,3 @@ def _placed_as(parameter, shard: torch.Tensor) -> torch.Tensor:
         return shard
     mesh, placements = parameter.device_mesh, parameter.placements
     return DTensor.from_local(shard, mesh, placements, shape=parameter.shape, stride=parameter.stride())
-
-
-def _saying_quorums(process_group_class, strategy: FaultTolerant, **kwargs):
-    """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
-
-    class Quorum(process_group_class):
-        def configure(self, store_addr: str, *args, **kwargs):  # the manager passes the quorum's ranks eighth
-            global_ranks = args[6] if len(args) > 6 else kwargs.get("global_ranks")
-            groups = sorted({rank // strategy.world_size for rank in global_ranks or ()})
-            strategy.disagreement = disagreement(store_addr, strategy, global_ranks, joining=strategy.joining)
-            if strategy.disagreement and not strategy.joining and strategy.global_rank == 0:
-                log.warning(strategy.disagreement)
-            super().configure(store_addr, *args, **kwargs)
-            lost, came = sorted(set(strategy.groups) - set(groups)), sorted(set(groups) - set(strategy.groups))
-            if strategy.groups and (lost or came) and strategy.global_rank == 0:
-                what = "; ".join(
-                    f"replica group{'s' * (len(g) > 1)} {', '.join(map(str, g))} {verb}"
-                    for g, verb in ((lost, "lost"), (came, "joined"))
-                    if g
-                )
-                log.warning("%s: training on with %d of %d", what, len(groups), strategy.ft.replica_groups)
-            strategy.groups = groups
-
-    return Quorum(**kwargs)
-
-
-def _weights_only_transport(**kwargs):
-    """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle)."""
-    from torchft.checkpointing._serialization import _streaming_load
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class WeightsOnlyHTTP(HTTPTransport):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            import urllib.request
-
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
-
-    transport = WeightsOnlyHTTP(**kwargs)
-    transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
-    return transport

@@ -27,7 +27,9 @@ def agreed_config(cfg, world: int) -> str:
     chosen |= {"strategy": config["strategy"]["name"]}  # ddp's gradients, or fsdp's shards of them
     chosen |= {
         "seed": config["seed"],
-        "fault_tolerance": {"replica_groups": config["fault_tolerance"]["replica_groups"]},
+        "fault_tolerance": {
+            k: config["fault_tolerance"].get(k) for k in ("replica_groups", "sync_every", "outer_optimizer")
+        },
     }
     return json.dumps(leaves(chosen | {"processes per group": world}), sort_keys=True, default=str)
 
