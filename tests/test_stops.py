@@ -210,8 +210,9 @@ def test_a_full_disk_is_one_line_naming_the_file_and_what_was_saved_resumes(mode
     # sharded one is a directory (its shards, .metadata, meta.pt), a name repointed only once it is whole
     wide = ["debug=limit", "trainer.max_epochs=6", *mode]
     proc = train(tmp_path, *wide, f"hydra.run.dir={small_disk / 'run'}", expect_ok=False)
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]  # once, however many ranks
-    line = re.sub(r"^error: rank \d+ \(node \d+\): ", "error: ", line)  # several: the rank that met it first
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, (proc.returncode, proc.stderr[-3000:])  # once, however many ranks
+    line = re.sub(r"^error: rank \d+ \(node \d+\): ", "error: ", lines[0])  # several: the rank that met it first
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert line.startswith(f"error: no space left on device writing {small_disk / 'run' / 'checkpoints'}/")
     assert line.endswith("; what was saved before is whole: make room and resume with ckpt_path=auto")
