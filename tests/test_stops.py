@@ -130,6 +130,25 @@ def listening_only(pid: int) -> list[int]:
     return [port for _, port in listening(pid)]
 
 
+def test_a_flood_before_rank_0_reads_its_lifeline_closes_strangers_never_a_rank_that_said_who_it_is():
+    # rank 1 connects and proves itself; before rank 0's watchdog first looks, more silent connections than PENDING
+    # arrive: making room closes the oldest silent ones, not rank 1 (the oldest of all), whose proof is heard first
+    from starter.launch.lifeline import PENDING, Lifeline
+    from starter.run_store import client, serve_store
+
+    store = serve_store("127.0.0.1")
+    rank_0 = Lifeline(store, "run", "127.0.0.1", 0)
+    rank_1 = Lifeline(client("127.0.0.1", store.port, 10), "run", "127.0.0.1", 1)
+    port = int(store.get("run/lifeline"))
+    time.sleep(0.2)  # rank 1's proof is in its connection's buffer
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(PENDING + 16)]
+    assert rank_0.gone() == [] and list(rank_0.peers) == [1] and len(rank_0.unknown) <= PENDING
+    for stranger in flood:
+        stranger.close()
+    rank_1.close()
+    rank_0.close()
+
+
 def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_or_floods_and_names_one_that_closes():
     from starter.launch.lifeline import PENDING, Lifeline
     from starter.run_store import client, serve_store

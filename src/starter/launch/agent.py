@@ -1,17 +1,15 @@
-"""Starts one worker per device of this node with torch's elastic agent, the engine inside torchrun
-(`torch.distributed.launcher.api.elastic_launch`), for strategies whose traits name a start method (ddp, ddp_spawn,
-fsdp, tp, pp).
+"""Starts one worker per device of this node with torch's elastic agent, the engine inside torchrun (`elastic_launch`),
+for the strategies whose traits name a start method (ddp, ddp_spawn, fsdp, tp, pp).
 
-Lightning's own launcher re-runs `sys.argv` in every child, which under Hydra re-composes the config, makes a second
-run directory and re-launches a sweep: here the Hydra job only launches, and every worker runs its resolved config.
-The agent's rendezvous is torchrun's static one (this node's rank: NODE_RANK, as `torchrun --node-rank`) at a store
-that node 0's job serves: on one node on a free port (one another process takes first: the next); on several at
-MASTER_PORT, the store that named the run (run_name.py). Workers fork from a fork server that imported torch and
-Lightning once (ddp_spawn's are spawned), each running worker.py's `work`. Inside each, our watchdog (watchdog.py)
-ends the run when a rank fails, stops answering or stalls; beside the agent, oversight.py names a worker a signal
-killed, ends this node's workers on another node's failure, and kills a stopped worker rather than wait for it. The
-nodes meet first (nodes.py). Details: docs/modes.md, "How ddp is launched".
-"""
+Lightning's own launcher re-runs `sys.argv` in every child, which under Hydra re-composes the config, makes a second run
+directory and re-launches a sweep: here the Hydra job only launches, and every worker runs its resolved config. The
+agent's rendezvous is torchrun's static one (this node's rank: NODE_RANK, as `torchrun --node-rank`) at a store that
+node 0's job serves: on one node on a free port (one another process takes first: the next); on several at MASTER_PORT,
+the store that named the run (run_name.py). Workers fork from a fork server that imported torch and Lightning once
+(ddp_spawn's are spawned), each running worker.py's `work`. Inside each, our watchdog (watchdog.py) ends the run when a
+rank fails, stops answering or stalls; beside the agent, oversight.py names a worker a signal killed, ends this node's
+workers on another node's failure, and kills a stopped worker rather than wait for it. The nodes meet first (nodes.py).
+Details: docs/modes.md, "How ddp is launched"."""
 
 import logging
 import os

@@ -2,12 +2,12 @@
 seconds: its operating system closes its sockets when it ends (SIGKILLed, or its node's agent killed it too), and the
 peer's beat, waiting on it, reads the end at once. One that leaves on its own says "bye" first. One alive but silent
 (stopped, hung in C) keeps it open: the heartbeat names it.
-
 Rank 0 listens where its peers reach it, on a port published in the run's store. Each rank proves who it is with a
-token only its connection carries (the store holds the token's hash): a connection that proves no rank not yet
-connected within seconds (a port scan, a stranger, a replay of what the store holds) is closed and changes nothing;
-at most `PENDING` wait at once (a flood closes the oldest, never exhausts descriptors)."""
+token only its connection carries (the store holds its hash): a connection that proves no rank not yet connected
+within seconds (a port scan, a stranger, a replay of what the store holds) is closed and changes nothing; at most
+`PENDING` wait at once (a flood closes the oldest silent one, never a rank that said who it is, nor descriptors)."""
 
+import contextlib
 import hashlib
 import secrets
 import selectors
@@ -51,17 +51,11 @@ class Lifeline:
                 peer, _ = self.server.accept()
             except OSError:  # none waits (BlockingIOError)
                 break
-            if len(self.unknown) >= PENDING:  # the oldest makes room: a rank says who it is as it connects
-                self._drop(min(self.unknown, key=self.unknown.get))
+            if len(self.unknown) >= PENDING and (self._hear_unknown() or len(self.unknown) >= PENDING):
+                self._drop(min(self.unknown, key=self.unknown.get))  # ranks heard first: the oldest silent one goes
             self.unknown[peer] = time.monotonic()
             self.selector.register(peer, selectors.EVENT_READ)
-        ready = self._ready()
-        for peer, since in list(self.unknown.items()):
-            if peer in ready and (rank := self._proven(self._read(peer))) is not None:
-                del self.unknown[peer]
-                self.peers[rank] = peer
-            elif peer in ready or time.monotonic() - since > HELLO_S:
-                self._drop(peer)
+        self._hear_unknown()
         closed, ready = [], self._ready()  # again: a hello read above is not a peer's word
         for rank, peer in [(rank, peer) for rank, peer in self.peers.items() if peer in ready]:
             data = self._read(peer)
@@ -70,6 +64,16 @@ class Lifeline:
                 self._drop(peer)
                 closed += [] if data else [rank]
         return closed
+
+    def _hear_unknown(self) -> None:
+        """Unproven connections: a rank's proof makes it a peer; anything else, or silence past HELLO_S, closes it."""
+        ready = self._ready()
+        for peer, since in list(self.unknown.items()):
+            if peer in ready and (rank := self._proven(self._read(peer))) is not None:
+                del self.unknown[peer]
+                self.peers[rank] = peer
+            elif peer in ready or time.monotonic() - since > HELLO_S:
+                self._drop(peer)
 
     def _proven(self, said: bytes) -> int | None:
         """The rank a connection proved it is ("rank token"), where no connection holds it yet; else None."""
@@ -94,10 +98,8 @@ class Lifeline:
     def _drop(self, peer) -> None:
         """A connection watched no more (it is forgotten if it had not said who it is)."""
         self.unknown.pop(peer, None)
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(peer)
-        except (KeyError, ValueError):
-            pass
         peer.close()
 
     @staticmethod
@@ -109,10 +111,8 @@ class Lifeline:
 
     def wait(self, seconds: float) -> None:
         """Until a peer says something or closes (or a rank connects, or `wakeup` is readable), at most `seconds`."""
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError, RuntimeError):  # closed by close(): it is leaving
             self.selector.select(seconds)
-        except (OSError, ValueError, KeyError, RuntimeError):  # closed by close(): this process is leaving
-            pass
 
     def close(self) -> None:
         """This process leaves on its own: its peers told, its connections closed (from a copy: the beat reads them)."""
