@@ -275,7 +275,7 @@ print(asked, torch.cuda.is_initialized(), "lightning.pytorch" in sys.modules)
 
 
 def test_a_failure_one_process_reports_is_what_every_other_process_reads_from_the_store(capsys):
-    from starter.launch.watchdog import failure, report
+    from starter.run_failure import failure, report
     from starter.run_store import client, serve_store
 
     served = serve_store("127.0.0.1")

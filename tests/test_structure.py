@@ -17,7 +17,17 @@ ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
     {"errors", "declared", "atomic_write", "run_directory", "fork_server", "fork_server_exit", "run_store"},
-    {"topology", "loggers", "checkpointing", "models", "callbacks", "config_choices", "config_schema", "untrusted"},
+    {
+        "topology",
+        "loggers",
+        "checkpointing",
+        "models",
+        "callbacks",
+        "config_choices",
+        "config_schema",
+        "untrusted",
+        "run_failure",
+    },
     {"data", "launch"},
     {"strategies"},
     {"preflight", "run", "trained", "run_name"},

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import failure, report
+from starter.run_failure import failure, report
 from starter.run_store import free_port, serve_store
 from starter.topology import key_prefix, node_rank
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import failure, process_state, report, where
+from starter.launch.watchdog import process_state, where
+from starter.run_failure import failure, report, said
 from starter.run_store import answers
 from starter.topology import node_rank
 
@@ -91,8 +92,10 @@ class Oversight:
 
     def _reported(self) -> WorkerFailed | None:
         if reported := failure(self.store, self.prefix):
-            code, line, node = reported  # no line where this node's own process wrote it: it said it already
-            self.reported_failure = WorkerFailed(line if node != self.node else None, code, node)
+            code, line, node = reported  # no line where this node's own process wrote it and said it
+            self.reported_failure = WorkerFailed(
+                None if node == self.node and said(self.store, self.prefix) else line, code, node
+            )
         return self.reported_failure
 
     def _watch(self) -> None:

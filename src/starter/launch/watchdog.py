@@ -26,6 +26,7 @@ from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, int
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
+from starter.run_failure import failure, report
 from starter.run_store import answers, client, reach, serve_store
 from starter.topology import key_prefix, torchrun_agents_share_their_store
 
@@ -44,30 +45,6 @@ def linger_s(timeout_s: float) -> float:
 
 def where(rank: int, ranks_per_node: int) -> str:
     return f"rank {rank} (node {rank // ranks_per_node})"
-
-
-def report(store, code: int, line: str, node: int = 0, prefix: str | None = None, say: bool = True) -> bool:
-    """Write `failed` unless a process did first; print `line` only then (if `say`). Returns whether this was the
-    first. `node`: the node whose process met it (another node's launcher says it too)."""
-    mine = f"{code}|{node}|{line}"
-    try:
-        first = not answers(store) or store.compare_set(f"{prefix or key_prefix()}/failed", "", mine).decode() == mine
-    except Exception:  # the store is gone: say it here rather than nowhere
-        first = True
-    if first and say:
-        to_stderr(f"error: {line}")
-    return first
-
-
-def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
-    """(code, line, node) that a process reported; None where none did, or the store is None or gone (its holder has
-    ended: the watchdogs say why)."""
-    key = f"{prefix or key_prefix()}/failed"
-    try:
-        code, node, line = store.get(key).decode().split("|", 2) if answers(store) and store.check([key]) else "||"
-        return int(code), line, int(node)
-    except Exception:  # none reported (int("")), or the store went meanwhile
-        return None
 
 
 class Watchdog:

@@ -1,0 +1,45 @@
+"""The run's failure, recorded once in its store: the first process to meet one writes `failed` (its exit code, its
+node and its line) and says the line; every other process, launcher and node reads it there and leaves with its
+code, saying nothing more (another node's launcher says it too)."""
+
+import contextlib
+
+from starter.errors import to_stderr
+from starter.run_store import answers
+from starter.topology import key_prefix
+
+
+def report(store, code: int, line: str, node: int = 0, prefix: str | None = None, say: bool = True) -> bool:
+    """Write `failed` unless a process did first; print `line` only then (if `say`), and write `failed/said` (a
+    process killed in between has not: its launcher says it). Returns whether this was the first. `node`: the node
+    whose process met it (another node's launcher says it too)."""
+    mine, key = f"{code}|{node}|{line}", f"{prefix or key_prefix()}/failed"
+    try:
+        first = not answers(store) or store.compare_set(key, "", mine).decode() == mine
+    except Exception:  # the store is gone: say it here rather than nowhere
+        first = True
+    if first and say:
+        to_stderr(f"error: {line}")
+    if first and answers(store):
+        with contextlib.suppress(Exception):  # gone meanwhile
+            store.set(f"{key}/said", "")
+    return first
+
+
+def said(store, prefix: str) -> bool:
+    """Whether the process that reported the failure has said its line (where the store is gone: its holder did)."""
+    try:
+        return store.check([f"{prefix}/failed/said"])
+    except Exception:
+        return True
+
+
+def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
+    """(code, line, node) that a process reported; None where none did, or the store is None or gone (its holder has
+    ended: the watchdogs say why)."""
+    key = f"{prefix or key_prefix()}/failed"
+    try:
+        code, node, line = store.get(key).decode().split("|", 2) if answers(store) and store.check([key]) else "||"
+        return int(code), line, int(node)
+    except Exception:  # none reported (int("")), or the store went meanwhile
+        return None
