@@ -63,13 +63,13 @@ class Oversight:
             self._wait_for_the_other_nodes()
         if said:
             return WorkerFailed(None, PREEMPTED_EXIT_CODE)
-        phase, why = None, ""
+        phase, why, began = None, "", step is None and cause != "a stop signal" and self._began()
+        if began:  # the launcher's signal, and the workers, which had begun, had their grace (whoever recorded it)
+            why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
         if origin is not None:
             cause, phase = f"{origin[0]} (sent to node {origin[1]})", origin[2]
-        elif step is None and cause != "a stop signal" and not self._began():
+        elif step is None and cause != "a stop signal" and not began:
             phase = "the workers' start"  # they had nothing to save: ended at the signal
-        elif step is None and cause != "a stop signal":  # the launcher's signal: the workers had their grace
-            why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
         return WorkerFailed(stop_line(cause, self.run_dir, phase, step, why), PREEMPTED_EXIT_CODE)
 
     def _wait_for_the_other_nodes(self) -> None:
