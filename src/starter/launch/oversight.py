@@ -63,12 +63,14 @@ class Oversight:
             self._wait_for_the_other_nodes()
         if said:
             return WorkerFailed(None, PREEMPTED_EXIT_CODE)
-        phase, why, began = None, "", step is None and cause != "a stop signal" and self._began()
-        if began:  # the launcher's signal, and the workers, which had begun, had their grace (whoever recorded it)
+        phase, why = None, ""
+        unsaved = step is None and cause != "a stop signal"  # the launcher's signal, and nothing saved since
+        began = unsaved and self._began()
+        if began:  # the workers had begun and had their grace (whoever recorded where the signal arrived)
             why = f"the workers did not save within stop_grace_s={self.grace_s:g} (raise it above a step and a save)"
         if origin is not None:
             cause, phase = f"{origin[0]} (sent to node {origin[1]})", origin[2]
-        elif step is None and cause != "a stop signal" and not began:
+        elif unsaved and not began:
             phase = "the workers' start"  # they had nothing to save: ended at the signal
         return WorkerFailed(stop_line(cause, self.run_dir, phase, step, why), PREEMPTED_EXIT_CODE)
 

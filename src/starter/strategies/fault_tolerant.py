@@ -310,10 +310,9 @@ class FaultTolerant:
         pairs each rank with the same rank of every group, which holds the same shards."""
         params = _parameters(optimizer)
         device = self.root_device  # fsdp's cpu_offload keeps shards and their gradients in CPU memory
-        flat = torch.cat(
-            [_local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
-             for p in params] + [torch.full((1,), float(contributes), device=device)]
-        )  # fmt: skip
+        grads = [_local(p.grad if p.grad is not None else torch.zeros_like(p)) for p in params]
+        flag = torch.full((1,), float(contributes), device=device)
+        flat = torch.cat([g.reshape(-1).to(device, torch.float32) for g in grads] + [flag])
         try:
             self._waited(lambda: self.manager.allreduce(flat).wait())  # it waits for the quorum first
         except FAILURES as err:  # the quorum itself failed (a failed all-reduce is the commit's: refused)
