@@ -73,21 +73,21 @@ def slurm_env(tasks: int, rank: int = 0, **more) -> dict:
             "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", **more}  # fmt: skip
 
 
-def wait_for_beat(port: int, rank: int, run_id: str | None = None, torchrun: bool = False) -> None:
+def wait_for_beat(port: int, rank: int, run_id: str | None = None, torchrun: bool = False, at: str = "127.0.0.1"):
     """Until `rank`'s watchdog has beaten in the run's store: at MASTER_PORT (srun's tasks; torch's agent that
     train.py starts: under its run id), or under torchrun (its run id) on the port rank 0 published in
-    torchrun's agent store there. The first attempt's."""
+    torchrun's agent store there. The first attempt's. `at`: MASTER_ADDR."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     from starter.topology import STORE_KEY as KEY
 
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store = TCPStore(at, port, is_master=False, timeout=timedelta(seconds=60))
     prefix = KEY if run_id is None else f"{KEY}/{run_id}/0"
     if torchrun:
         served = int(store.get(f"{prefix}/store_port"))
-        store = TCPStore("127.0.0.1", served, is_master=False, timeout=timedelta(seconds=60))
+        store = TCPStore(at, served, is_master=False, timeout=timedelta(seconds=60))
     deadline = time.monotonic() + 60
     while not (store.check([f"{prefix}/beat/{rank}"]) and store.add(f"{prefix}/beat/{rank}", 0)):
         assert time.monotonic() < deadline, f"rank {rank} never beat"
@@ -384,10 +384,12 @@ def model_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["state_dict"]
 
 
-def start_all(commands_envs, tmp_path):
-    """Start every (command, env) at once (the nodes of one run); wait for each to exit 0; their outputs."""
-    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for command, env in commands_envs]  # fmt: skip
+def start_all(commands_envs, tmp_path, hosts=None):
+    """Start every (command, env) at once (the nodes of one run; with `hosts`, the i-th on host i); wait for each to
+    exit 0; their outputs."""
+    options = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [hosts.popen(i, command, env, **options) if hosts else subprocess.Popen(command, env=env, **options)
+             for i, (command, env) in enumerate(commands_envs)]  # fmt: skip
     outputs = [p.communicate(timeout=300) for p in procs]
     codes = [p.returncode for p in procs]  # every process's output: the one that failed first may not be the first
     assert codes == [0] * len(procs), (codes, [err[-3000:] for _, err in outputs])
@@ -510,3 +512,20 @@ def predictions(proc) -> list[dict]:
 def correct(rows: list[dict]) -> int:
     """How many predictions name the label in their file's name (<...>_<label>.<ext>)."""
     return sum(row["class"] == Path(row["path"]).stem.rsplit("_", 1)[1] for row in rows)
+
+
+@pytest.fixture
+def hosts(request):
+    """Hosts of their own network (tests/hosts.py; `indirect` parametrization: how many, else 2), torn down with every
+    process on them; where namespaces cannot be made, this machine's loopback, with a warning saying why."""
+    from hosts import make_hosts
+
+    made, why_not = make_hosts(getattr(request, "param", 2))
+    if why_not:
+        import warnings
+
+        warnings.warn(f"{why_not}: this test runs on this machine's loopback", stacklevel=1)
+    try:
+        yield made
+    finally:
+        made.close()

@@ -422,16 +422,22 @@ class RecordSamples(L.Callback):
 class KilledAtStep(L.Callback):
     """SIGKILLs this process as training step `step` begins (mid-epoch), as a lost machine ends it (or sends it another
     `signal`: SIGTERM, a scheduler's preemption, once). `whole`: rank 0 sends it to its whole process group (its
-    train.py, every worker: a machine lost), which the test started in a session of its own."""
+    train.py, every worker), which the test started in a session of its own. `host`: rank 0 sends it to every process
+    of its test host (tests/hosts.py), itself last: the host lost."""
 
-    def __init__(self, step: int, signal: str = "SIGKILL", whole: bool = False):
-        self.step, self.signal, self.whole = step, signal, whole
+    def __init__(self, step: int, signal: str = "SIGKILL", whole: bool = False, host: bool = False):
+        self.step, self.signal, self.whole, self.host = step, signal, whole, host
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and self.signal:
-            if not self.whole:
+            if self.host and trainer.is_global_zero:
+                from hosts import MARK, marked
+
+                for pid in sorted(marked(os.environ[MARK]), key=lambda pid: pid == os.getpid()):
+                    os.kill(pid, getattr(signal, self.signal))
+            elif not self.whole and not self.host:
                 os.kill(os.getpid(), getattr(signal, self.signal))
-            elif trainer.is_global_zero:
+            elif self.whole and trainer.is_global_zero:
                 assert os.getpgid(0) == os.getsid(0), "whole=true needs train.py started in a session of its own"
                 os.killpg(os.getpgid(0), getattr(signal, self.signal))
             self.signal = None

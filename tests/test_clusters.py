@@ -86,17 +86,18 @@ def test_the_ranks_kubeflow_or_lsf_start_train_as_one_process_in_one_run_directo
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_processes_each_train_as_one_process_whatever_their_run_directories(
-    reference_weights, tmp_path
+def test_two_nodes_of_two_processes_each_on_hosts_of_their_own_train_as_one_process_whatever_their_run_directories(
+    reference_weights, hosts, tmp_path
 ):
-
-    # each node's run directory its own (hydra.run.dir, as a job script on nodes without a shared disk pins it): the
-    # nodes meet by what both are given (MASTER_ADDR, MASTER_PORT), not by a name each makes
+    # each node on a host of its own (tests/hosts.py), its run directory its own (hydra.run.dir, as a job script on
+    # nodes without a shared disk pins it): the nodes meet by what both are given (MASTER_ADDR: node 0's host,
+    # MASTER_PORT), not by a name each makes; no GLOO_SOCKET_IFNAME, though each host's name resolves to loopback
     port = free_port()
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "num_nodes=2", *MLP_20_STEPS,
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
-    envs = {n: with_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (1, 0)}
-    start_all([([*command, f"hydra.run.dir={tmp_path / f'node{n}'}"], env) for n, env in envs.items()], tmp_path)
+    envs = {n: with_env(MASTER_ADDR=hosts.address(0), MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (0, 1)}
+    commands = [([*command, f"hydra.run.dir={tmp_path / f'node{n}'}"], env) for n, env in envs.items()]
+    start_all(commands, tmp_path, hosts=hosts)
     run_dir = tmp_path / "node0"  # rank 0's node keeps the run's outputs
     assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
     assert not (tmp_path / "node1" / "checkpoints").exists()

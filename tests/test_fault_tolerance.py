@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from conftest import (
     max_difference,
     model_weights,
     read_metrics,
+    reaped,
     run_dirs,
     with_env,
 )
@@ -30,21 +32,21 @@ pytestmark = pytest.mark.slow
 HEARTBEAT_S = 2
 
 
-def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool = False) -> subprocess.Popen:
+def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool = False, hosts=None):
     """Replica group `number` of two, one process (unless `overrides` say), as a user starts it: its own train.py, its
     logs under tmp_path/g<n>; group 0 serves the lighthouse on `port`. `session`: in a session of its own, which a
-    probe can kill whole."""
-    lighthouse = [f"fault_tolerance.lighthouse=http://localhost:{port}"] if number else []
+    probe can kill whole. `hosts` (conftest.hosts): each group on a host of its own, group 0's named by its address
+    (the docs' commands, as written: no MASTER_ADDR, no GLOO_SOCKET_IFNAME); else every group on this loopback."""
+    at = hosts.address(0) if hosts else "localhost"
+    lighthouse = [f"fault_tolerance.lighthouse=http://{at}:{port}"] if number else []
     command = [sys.executable, str(ROOT / "train.py"), "accelerator=cpu", "fault_tolerance=torchft",
                f"fault_tolerance.replica_group={number}", f"fault_tolerance.lighthouse_port={port}", *lighthouse,
                f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.timeout_s=20",
                f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides]  # fmt: skip
     (tmp_path / f"g{number}").mkdir(parents=True, exist_ok=True)
     env = with_env(PROBES)
-    return subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=session,
-    )  # fmt: skip
+    options = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
+    return hosts.popen(number, command, env, **options) if hosts else subprocess.Popen(command, env=env, **options)
 
 
 def finished(proc: subprocess.Popen, timeout: int = 300) -> str:
@@ -100,44 +102,46 @@ def test_two_replica_groups_train_as_ddp_and_a_refused_step_is_trained_again_not
 
 @pytest.mark.parametrize(
     "gone,lost_by,again,inside",
-    [(1, "SIGKILL", [], FSDP_INSIDE), (1, "SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"], []),
+    [(1, "host", [], FSDP_INSIDE), (1, "SIGKILL", ["checkpoint_every_n_steps=7", "ckpt_path=auto"], []),
      (0, "SIGTERM", ["ckpt_path=auto"], [])],
-    ids=["fsdp inside: group 1's every process killed, back afresh, its shards healed",
+    ids=["two hosts, fsdp inside: group 1's host lost, back afresh, its shards healed",
          "group 1 killed, back from its mid-epoch checkpoint",
          "group 0 stopped (it started the lighthouse), back from its stop's save"],
 )  # fmt: skip
 def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_heals_equal(
-    gone, lost_by, again, inside, tmp_path
+    gone, lost_by, again, inside, tmp_path, request
 ):
-    """A group (one process; or fsdp over two, its train.py and workers SIGKILLed together, as a host is lost) is
-    SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins, group 0 too,
-    whose train.py started the lighthouse (a process of its own, which outlives it): the other names it within a
-    heartbeat and a step, and trains on in the same process (its steps never start again), slowed while alone. The
-    lost group started again (afresh, or resuming its own mid-epoch last.ckpt; group 0 finds the lighthouse on its
-    port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position; under fsdp each rank's
-    shards from the same rank's), it trains with it; a
-    step its quorum refuses where the survivor's commits heals it again (an epoch's last: the survivor crosses the
-    epoch's end, and steps its lr schedule, first). Both end with equal weights, logging at the same steps, and the
-    test accuracy of a 5-epoch run."""
+    """A group (one process; or fsdp over two on a host of its own, every process of which is SIGKILLed at once: its
+    train.py and workers) is SIGKILLed (or SIGTERMed: it saves last.ckpt mid-epoch and stops) as step 10 begins,
+    group 0 too, whose train.py started the lighthouse (a process of its own, which outlives it): the other names it
+    within a heartbeat and a step, and trains on in the same process (its steps never start again), slowed while
+    alone. The lost group started again (afresh, or resuming its own mid-epoch last.ckpt; group 0 finds the
+    lighthouse on its port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position;
+    under fsdp each rank's shards from the same rank's), it trains with it; a step its quorum refuses where the
+    survivor's commits heals it again (an epoch's last: the survivor crosses the epoch's end, and steps its lr
+    schedule, first). Both end with equal weights, logging at the same steps, and the test accuracy of a 5-epoch
+    run."""
     port, kept = free_port(), 1 - gone
+    hosts = request.getfixturevalue("hosts") if lost_by == "host" else None
+    group_ = partial(group, hosts=hosts)
     epochs = ["trainer.max_epochs=5", "+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.3"]
     epochs += inside
     own = [f"hydra.run.dir={tmp_path / f'g{gone}' / 'logs' / 'train' / 'runs' / 'own'}", *again] if again else []
-    lost = group(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
-                 "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10",
-                 f"+callbacks.kill.signal={lost_by}", f"+callbacks.kill.whole={bool(inside)}",
-                 session=bool(inside))  # fmt: skip
+    lost = group_(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
+                  "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10",
+                  f"+callbacks.kill.signal={'SIGKILL' if hosts else lost_by}",
+                  f"+callbacks.kill.host={bool(hosts)}")  # fmt: skip
     if gone == 0:  # it starts the lighthouse, the other meets it there
         while not list(tmp_path.glob("g0/logs/train/runs/*/train.log")):
             time.sleep(0.2)
-    survivor = group(tmp_path, kept, port, *epochs, f"+callbacks.slow.output={tmp_path / 'kept'}")
+    survivor = group_(tmp_path, kept, port, *epochs, f"+callbacks.slow.output={tmp_path / 'kept'}")
     lost.communicate(timeout=300)
-    assert lost.returncode == (-9 if lost_by == "SIGKILL" else 143)
+    assert lost.returncode == (143 if lost_by == "SIGTERM" else -9)
     if again:  # mid-epoch: the stop's save at step 11, or the 7th step's
         saved = torch.load(run_dir(tmp_path, gone) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
         assert saved == (7 if lost_by == "SIGKILL" else 11)
     time.sleep(HEARTBEAT_S)  # gone from the lighthouse's view before it comes back
-    back = group(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'back'}",
+    back = group_(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'back'}",
                  "+callbacks.refuse._target_=probes.RefusedCommitAtStep", "+callbacks.refuse.after=3",
                  "+callbacks.refuse.epoch_end=true",
                  f"+callbacks.refuse.output={tmp_path / 'refused'}")  # fmt: skip
@@ -388,3 +392,135 @@ def test_a_heal_writes_fsdps_shards_and_optimizer_state_in_place_and_keeps_a_tie
     script = HEAL_SHARDS.format(port=free_port(), path=str(tmp_path / "state.pt"))
     done = subprocess.run([sys.executable, "-c", script], env=with_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "healed equal" in done.stdout, done.stderr[-3000:]
+
+
+def resident_mb(pid: int) -> float:
+    """Process `pid`'s resident memory, in MB (0 once it has gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
+def test_the_lighthouses_host_lost_ends_the_other_group_in_one_line_with_last_ckpt_and_flat_memory(hosts, tmp_path):
+    # Group 0 and the lighthouse it started on host 0, group 1 on host 1, started as the docs' commands say. Host 0 is
+    # lost mid-run (every process on it SIGKILLed): group 1's next quorum waits for a lighthouse that is gone. Within
+    # quorum_timeout_s and a heartbeat it says so in one line, having saved last.ckpt, and exits 2. Its memory stays
+    # flat meanwhile: torchft's own TimeoutError was once taken for "still waiting" (Python's concurrent.futures raises
+    # the same class), and the wait went on forever, growing by its traceback's frames each half second.
+    port, quorum_s = free_port(), 10
+    long = ["trainer.max_epochs=40", "+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.1",
+            f"fault_tolerance.quorum_timeout_s={quorum_s}", "fault_tolerance.timeout_s=5"]  # fmt: skip
+    procs = [group(tmp_path, g, port, *long, f"+callbacks.slow.output={tmp_path / f'steps{g}'}", hosts=hosts)
+             for g in (0, 1)]  # fmt: skip
+    with reaped(*procs):
+        while not (tmp_path / "steps1").exists() or len((tmp_path / "steps1").read_text().splitlines()) < 10:
+            assert procs[1].poll() is None, procs[1].communicate()
+            time.sleep(0.2)
+        hosts.kill(0)
+        lost_at, memory = time.monotonic(), [resident_mb(procs[1].pid)]
+        while procs[1].poll() is None and time.monotonic() - lost_at < 120:
+            memory.append(resident_mb(procs[1].pid))
+            time.sleep(0.5)
+        took = time.monotonic() - lost_at
+        _, err = procs[1].communicate(timeout=10)
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+    step = torch.load(run_dir(tmp_path, 1) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    said = (f"error: replica group 1: the lighthouse at http://{hosts.address(0)}:{port} does not answer (its process"
+            " or its host gone); torchft said: ")  # fmt: skip
+    assert procs[1].returncode == 2 and len(lines) == 1 and lines[0].startswith(said), (procs[1].returncode, lines)
+    assert lines[0].endswith(f"(quorum_timeout_s=10); checkpoints/last.ckpt saved at step {step}, resume with"
+                             " ckpt_path=auto") and step >= 10  # fmt: skip
+    print(f"named {took:.1f} s after the host was lost: {lines[0]}")
+    assert took < quorum_s + HEARTBEAT_S + 10, took  # the quorum's wait, a heartbeat, the save and the exit
+    assert max(memory) - memory[0] < 100, memory
+
+
+def test_a_stop_signal_while_a_group_waits_for_the_others_to_join_is_acted_on_within_a_second(tmp_path):
+    # Group 0 alone waits up to join_timeout_s for group 1, in quorums that each return at once: the signal is heard
+    # between them, not once the join is over.
+    from starter.strategies.lighthouse import beating, status
+
+    port = free_port()
+    proc = group(tmp_path, 0, port, "fault_tolerance.join_timeout_s=120", "trainer.max_epochs=1")
+    with reaped(proc):
+        while not beating(status(f"http://localhost:{port}") or ""):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1)  # in its join's quorums
+        proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+    assert proc.returncode == 143 and lines == [
+        "error: stopped by SIGTERM during training; nothing was saved (this run has no checkpoints/last.ckpt)"
+    ], (proc.returncode, lines)
+    print(f"stopped {took:.2f} s after the signal")
+    assert took < 5, took  # within a second of the signal, the process's end included (was: the join's 120 s)
+
+
+def test_a_torchft_wait_that_raises_timeouterror_raises_it_at_once():
+    # torchft raises the builtin TimeoutError (a quorum that timed out); since Python 3.11 it is also what
+    # concurrent.futures raises for "not yet": a wait that caught that to poll again never ended
+    import threading
+
+    from starter.strategies.fault_tolerant import FaultTolerant
+
+    def quorum():
+        time.sleep(0.7)  # past the wait's first poll
+        raise TimeoutError("quorum timed out")
+
+    raised = []
+    waiting = threading.Thread(target=lambda: raised.append(_raised(FaultTolerant.__new__(FaultTolerant), quorum)))
+    waiting.start()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and raised == ["quorum timed out"], raised
+
+
+def _raised(strategy, call) -> str | None:
+    try:
+        strategy._waited(call)
+    except TimeoutError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["group 0's port", "a named lighthouse"])
+def test_a_port_that_answers_but_is_not_a_lighthouse_is_refused_in_one_line(named, monkeypatch):
+    import http.server
+    import threading
+
+    from omegaconf import OmegaConf
+
+    from starter.errors import UserError
+    from starter.strategies.torchft_setup import start_lighthouse
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>a status page of something else</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "")  # restored after: start_lighthouse sets it
+    address = f"http://localhost:{port}"
+    ft = OmegaConf.create(dict(lighthouse=address if named else None, lighthouse_port=port, min_replicas=1,
+                               join_timeout_s=1, heartbeat_timeout_s=1))  # fmt: skip
+    said = (f"{address} answers, but is not a torchft lighthouse; name the lighthouse's address" if named else
+            f"replica group 0 cannot serve the lighthouse at port {port} (something that is not a torchft"
+            f" lighthouse answers at {address}); give another fault_tolerance.lighthouse_port, the same to every"
+            " group")  # fmt: skip
+    try:
+        with pytest.raises(UserError) as refused:
+            start_lighthouse(ft)
+    finally:
+        server.shutdown()
+    assert str(refused.value) == said

@@ -566,12 +566,14 @@ def test_a_requeued_job_resumes_from_its_own_directory_with_ckpt_path_auto(tmp_p
     assert rows == [(epoch, step) for step in range(10) for epoch in [step // 5]]
 
 
-def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None, **popen):
-    """`train.py` as node `node` of two, one process each, on localhost; `cwd` stands for the node's own disk."""
-    env = with_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path | None = None, hosts=None, **popen):
+    """`train.py` as node `node` of two, one process each, on localhost (`hosts`: on host `node`); `cwd` stands for the
+    node's own disk."""
+    env = with_env(MASTER_ADDR=hosts.address(0) if hosts else "127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
     command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]  # fmt: skip
-    return subprocess.Popen(command, cwd=cwd or tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True, **popen)
+    options = dict(cwd=cwd or tmp_path, stdout=PIPE, stderr=PIPE, text=True, **popen)
+    return hosts.popen(node, command, env, **options) if hosts else subprocess.Popen(command, env=env, **options)
 
 
 def assert_gone_by(pids: list[int], by: float) -> None:
@@ -665,23 +667,34 @@ def test_a_user_error_before_launch_on_node_1_ends_node_0_at_once_saying_node_1s
 
 
 # full examples: end
-@pytest.mark.parametrize("fault,devices,lost", [("SIGKILL", 1, 1), ("SIGKILL", 2, 0), ("SIGSTOP", 2, 1)])
-def test_a_whole_node_lost_is_named_in_one_line_by_the_other_which_exits_124(fault, devices, lost, tmp_path):
+@pytest.mark.parametrize("fault,devices,lost", [("host", 1, 1), ("SIGKILL", 2, 0), ("SIGSTOP", 2, 1)])
+def test_a_whole_node_lost_is_named_in_one_line_by_the_other_which_exits_124(fault, devices, lost, tmp_path, request):
     # Every process of node `lost` at once (its train.py, fork server and workers), as when its machine dies
-    # (SIGKILL) or hangs or is cut off (SIGSTOP). Node 0's train.py serves the run's store, rank 0 holds the lifelines.
-    # The other node names it by how it is found: a closed connection (SIGKILL: its kernel closes them) at once, not
-    # the heartbeat; a silent one (SIGSTOP), after heartbeat_timeout_s
+    # (SIGKILL; "host": each node on a host of its own, every process of node 1's host SIGKILLed) or hangs or is cut
+    # off (SIGSTOP). Node 0's train.py serves the run's store, rank 0 holds the lifelines. The other node names it by
+    # how it is found: a closed connection (SIGKILL: its kernel closes them) at once, not the heartbeat; a silent one
+    # (SIGSTOP), after heartbeat_timeout_s
+    hosts = request.getfixturevalue("hosts") if fault == "host" else None
     port, long = free_port(), [f"devices={devices}", "trainer.max_epochs=1000", "heartbeat_timeout_s=4"]
-    procs = [start_node(tmp_path, n, port, *long, start_new_session=True) for n in (0, 1)]
+    procs = [start_node(tmp_path, n, port, *long, start_new_session=True, hosts=hosts) for n in (0, 1)]
     with reaped(*procs):
         wait_for_checkpoint(tmp_path, procs[0], epochs=1)
-        for rank in range(2 * devices):  # a rank that never beat gets the startup allowance (60 s)
-            wait_for_beat(port, rank=rank, run_id="nodes-0")
-        os.killpg(procs[lost].pid, signal.Signals[fault])  # its session: the node's whole process tree
+        # a rank that never beat gets the startup allowance (60 s); on hosts, asked from host 0's network
+        if hosts:
+            beats = [f"wait_for_beat({port}, {rank}, 'nodes-0', at={hosts.address(0)!r})" for rank in range(2)]
+            hosts.run(0, [sys.executable, "-c", "from conftest import wait_for_beat; " + "; ".join(beats)],
+                      with_env(PROBES))  # fmt: skip
+        else:
+            for rank in range(2 * devices):
+                wait_for_beat(port, rank=rank, run_id="nodes-0")
+        if hosts:
+            hosts.kill(lost)
+        else:
+            os.killpg(procs[lost].pid, signal.Signals[fault])  # its session: the node's whole process tree
         survivor = procs[1 - lost]
         codes, _, lines = exits([survivor], timeout=60)
     named = "|".join(f"rank {rank} \\(node {lost}\\)" for rank in range(lost * devices, (lost + 1) * devices))
-    said = "is gone: its connection closed (killed, or its node lost)" if fault == "SIGKILL" else (
+    said = "is gone: its connection closed (killed, or its node lost)" if fault != "SIGSTOP" else (
         "has not answered for 4 s (killed, stopped, or its node lost)")  # fmt: skip
     line = rf"error: ({named}) {re.escape(said)}; every process of the run stops"  # any of its ranks, found first
     assert codes == [124] and len(lines) == 1 and re.fullmatch(line, lines[0]), (codes, lines)

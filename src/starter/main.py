@@ -53,6 +53,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
+        gloo_reaches_the_nodes()
         if job == TRAIN:
             serve_lighthouse(cfg)
         if plan.started_by == "ours":
@@ -91,11 +92,23 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
     return metrics.get(cfg.get("optimized_metric"))
 
 
-def serve_lighthouse(cfg: DictConfig) -> None:
-    """fault_tolerance=torchft: replica group 0's train.py starts the lighthouse unless one is named."""
-    if cfg.get("fault_tolerance"):
-        from starter.strategies.torchft_setup import start_lighthouse
+def gloo_reaches_the_nodes() -> None:
+    """Nodes on other hosts (MASTER_ADDR not loopback): gloo bound where they reach this one, not to the loopback
+    address this host's name may resolve to (host_address.choose_gloo_device)."""
+    from starter.host_address import choose_gloo_device, is_loopback, route_to
 
+    given = os.environ.get("MASTER_ADDR")
+    if given and not is_loopback(given) and (address := route_to(given)):
+        choose_gloo_device(address)
+
+
+def serve_lighthouse(cfg: DictConfig) -> None:
+    """fault_tolerance=torchft: the address this group is reached at, then replica group 0's train.py starts the
+    lighthouse unless one is named."""
+    if cfg.get("fault_tolerance"):
+        from starter.strategies.torchft_setup import publish_where_reached, start_lighthouse
+
+        publish_where_reached(cfg.fault_tolerance)
         start_lighthouse(cfg.fault_tolerance)
 
 

@@ -44,7 +44,7 @@ class MNISTDataModule(ShardedDataModule):
             return MNIST(str(self.data_dir), train=train, download=download)
         except (RuntimeError, OSError) as err:
             raw = self.data_dir / "MNIST" / "raw"
-            how = f"the download failed ({err})" if download else "data.download=false"
+            how = f"the download failed ({' '.join(str(err).split())})" if download else "data.download=false"
             raise UserError(
                 f"MNIST not found in {raw} and {how}; put {', '.join(RAW_FILES)} there (the .gz files"
                 " also do, with data.download=true), or set paths.data_dir to the directory holding"

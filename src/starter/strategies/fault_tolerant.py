@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
 from starter.errors import PREEMPTED_EXIT_CODE, UserError, to_stderr
-from starter.strategies.torchft_setup import saying_quorums, torchft, weights_only_transport
+from starter.strategies.torchft_setup import reached_at, saying_quorums, torchft, weights_only_transport
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ class FaultTolerant:
             connect_timeout=timeout,
             rank=self.global_rank,
             world_size=self.world_size,
-            store_addr=os.environ["MASTER_ADDR"],
+            store_addr=os.environ["MASTER_ADDR"],  # where the other groups reach it (publish_where_reached)
             store_port=int(os.environ["MASTER_PORT"]),
+            hostname=reached_at(),  # the manager's, for the lighthouse to hand out (torchft's: the host's name)
             replica_id=f"replica_group_{self.ft.replica_group}",
             checkpoint_transport=weights_only_transport(timeout=timeout, num_chunks=0),
             use_async_quorum=not self.ft.get("sync_every"),  # DiLoCo's sync heals before it sends
@@ -109,6 +110,7 @@ class FaultTolerant:
             if trainer.ckpt_path:
                 log.warning("resumed under DiLoCo: the outer optimizer starts again from this checkpoint's weights")
         while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
+            self._stop_if_told()  # each quorum returns within the wait's poll: a stop is heard between them
             committed, stepped = self._join_step(optimizer)
             if not committed:
                 continue
@@ -263,12 +265,14 @@ class FaultTolerant:
                 waiting.set_exception(err)
 
         threading.Thread(target=wait, name="torchft-wait", daemon=True).start()
-        while True:
-            try:
-                return waiting.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                if (stops := SaveOnSigterm.listening) is not None and stops.received:
-                    self._stop_now(stops)
+        # not result(timeout=): its "not yet" is the builtin TimeoutError, which torchft's own timeouts raise too
+        while not concurrent.futures.wait([waiting], timeout=0.5).done:
+            self._stop_if_told()
+        return waiting.result()
+
+    def _stop_if_told(self) -> None:
+        if (stops := SaveOnSigterm.listening) is not None and stops.received:
+            self._stop_now(stops)
 
     def _stop_now(self, stops: SaveOnSigterm) -> None:
         """A stop signal during a torchft wait: last.ckpt saved (joining: nothing new to save), the run's line said by
@@ -297,11 +301,19 @@ class FaultTolerant:
         return f"; checkpoints/last.ckpt saved at step {trainer.global_step}, resume with ckpt_path=auto"
 
     def _failed(self, err: BaseException) -> UserError:
-        """torchft's failure (no quorum, no lighthouse) as one line, this group's state saved first."""
+        """torchft's failure (no quorum, no lighthouse) as one line naming what is missing, this group's state saved
+        first."""
+        from starter.strategies.lighthouse import status
+
         saved = self._save_last() if self.manager is not None and not self.joining else ""
+        address, said = os.environ.get("TORCHFT_LIGHTHOUSE"), " ".join(str(err).split())[:200]
+        if status(address) is None:
+            what = f"the lighthouse at {address} does not answer (its process or its host gone)"
+        else:
+            what = f"no quorum of {self.ft.min_replicas} group(s) at the lighthouse at {address}"
         return UserError(
-            f"replica group {self.ft.replica_group}: torchft: {' '.join(str(err).split())[:300]} (the lighthouse:"
-            f" {os.environ.get('TORCHFT_LIGHTHOUSE')}, served by replica group 0's train.py unless named){saved}"
+            f"replica group {self.ft.replica_group}: {what}; torchft said: {said}"
+            f" (quorum_timeout_s={self.ft.quorum_timeout_s:g}){saved}"
         )
 
     def _average(self, optimizer, contributes: bool) -> bool:

@@ -36,7 +36,15 @@ def start(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout
 
 
 def serving(address: str) -> bool:
-    return status(address) is not None
+    """Whether a lighthouse answers at `address`; raises OSError where something else does."""
+    if (page := status(address)) is not None and not is_lighthouse(page):
+        raise OSError(f"something that is not a torchft lighthouse answers at {address}")
+    return page is not None
+
+
+def is_lighthouse(page: str) -> bool:
+    """Whether a status page is torchft's lighthouse's (its quorum's id and status lines)."""
+    return "Current quorum_id:" in page and "Next quorum status:" in page
 
 
 def status(address: str) -> str | None:
@@ -44,7 +52,7 @@ def status(address: str) -> str | None:
     try:
         with urllib.request.urlopen(f"{address}/status", timeout=2) as page:
             return page.read().decode(errors="replace")
-    except OSError:
+    except (OSError, ValueError):  # ValueError: not an http:// address
         return None
 
 

@@ -5,8 +5,10 @@ their configs before any collective), and the heal's transport (read weights-onl
 import logging
 import os
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 from starter.errors import UserError, one_line
+from starter.host_address import choose_gloo_device, is_loopback, this_host
 from starter.loggers.console import file_only
 from starter.strategies.replica_agreement import disagreement
 from starter.topology import TORCHFT_MISSING
@@ -32,13 +34,15 @@ def torchft():
 def start_lighthouse(ft) -> None:
     """Replica group 0 starts the lighthouse (strategies/lighthouse.py: a process of its own, which outlives it) when no
     address is given (`fault_tolerance.lighthouse`, else TORCHFT_LIGHTHOUSE); the other groups must be told where it
-    is."""
-    if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
-        os.environ["TORCHFT_LIGHTHOUSE"] = address
-        return
-    torchft()
+    is. A named one that answers is checked to be a lighthouse (one that does not answer is torchft's one line)."""
     from starter.strategies import lighthouse
 
+    if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
+        os.environ["TORCHFT_LIGHTHOUSE"] = address
+        if (page := lighthouse.status(address)) is not None and not lighthouse.is_lighthouse(page):
+            raise UserError(f"{address} answers, but is not a torchft lighthouse; name the lighthouse's address")
+        return
+    torchft()
     try:
         address = lighthouse.start(ft.lighthouse_port, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s)
     except OSError as err:  # the port taken by something else
@@ -48,6 +52,39 @@ def start_lighthouse(ft) -> None:
         ) from None
     os.environ["TORCHFT_LIGHTHOUSE"] = address
     log.info("replica group 0 started the lighthouse at %s (a process of its own: it outlives this group)", address)
+
+
+def publish_where_reached(ft) -> None:
+    """The address this group's processes publish to the others (its store, its manager, the heal's transport):
+    where the groups on other hosts reach it (host_address.this_host: the route to a named lighthouse, else this
+    host's own), never loopback where a lighthouse elsewhere is named. MASTER_ADDR, the group's store, becomes it where
+    it was loopback, and gloo is given its interface. Call before the lighthouse starts; the processes this one
+    starts inherit it (STARTER_REPLICA_HOST)."""
+    named = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    peer = urlsplit(named).hostname if named else None
+    given = os.environ.get("MASTER_ADDR")
+    address, why = this_host(ft.get("host"), peer or (given if given and not is_loopback(given) else None))
+    if address is None:
+        address = "127.0.0.1"
+        if ft.replica_groups > 1:
+            log.warning(
+                "replica group %d is reached at 127.0.0.1 only (this host's name resolves to loopback and it has"
+                " several interfaces or none): groups on other hosts cannot join it; set fault_tolerance.host to the"
+                " address they reach it at",
+                ft.replica_group,
+            )
+    elif not is_loopback(address):
+        if not given or is_loopback(given):
+            os.environ["MASTER_ADDR"] = address
+        choose_gloo_device(address)
+    os.environ["STARTER_REPLICA_HOST"] = address
+    log.info("replica group %d is reached at %s (%s)", ft.replica_group, address, why, extra={"file_only": True})
+
+
+def reached_at() -> str:
+    """This process's address for the others (publish_where_reached), as a URL's host."""
+    host = os.environ.get("STARTER_REPLICA_HOST") or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def saying_quorums(process_group_class, strategy, **kwargs):
@@ -75,7 +112,8 @@ def saying_quorums(process_group_class, strategy, **kwargs):
 
 
 def weights_only_transport(**kwargs):
-    """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle)."""
+    """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle), at the
+    address the others reach (torchft's: the host's name, which may resolve to loopback)."""
     from torchft.checkpointing._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -86,6 +124,9 @@ def weights_only_transport(**kwargs):
 
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
+
+        def address(self) -> str:
+            return f"http://{reached_at()}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     transport = WeightsOnlyHTTP(**kwargs)
     transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
