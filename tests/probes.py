@@ -489,3 +489,18 @@ class SlowWhileAlone(L.Callback):
         if trainer.is_global_zero:
             with self.output.open("a") as f:
                 f.write(f"{trainer.global_step} {time.monotonic()}\n")
+
+
+class StarvedAtStep(L.Callback):
+    """Rank `rank` holds the interpreter for `seconds` as step `step` begins: a C call that keeps the GIL (libc's
+    sleep through ctypes.PyDLL), so none of its threads runs, its watchdog's beat neither, as a process starved on a
+    loaded machine: alive, not stopped, silent."""
+
+    def __init__(self, step: int, seconds: float, rank: int = 1):
+        self.step, self.seconds, self.rank = step, seconds, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(int(self.seconds))

@@ -33,7 +33,7 @@ from conftest import (
     worker_of_rank,
 )
 from starter.checkpointing.atomic_io import AtomicCheckpointIO
-from starter.launch.watchdog import gone, process_state
+from starter.process_state import gone, process_state
 
 pytestmark = pytest.mark.slow
 
@@ -634,6 +634,28 @@ def test_a_node_that_never_comes_is_named_in_one_line_after_nodes_wait_s(tmp_pat
     ]
 
 
+def test_node_0_gone_before_node_1_comes_is_one_line_on_node_1_after_nodes_wait_s(tmp_path):
+    # node 1 waits for node 0's store in a loop of its own, hearing signals: not in torch's C client, which retries for
+    # its timeout deaf to them, printing a C++ trace a try
+    port = free_port()
+    node_1 = start_node(tmp_path, 1, port, "nodes_wait_s=3")
+    _, err = node_1.communicate(timeout=60)
+    assert node_1.returncode == 124 and err.strip().splitlines() == [
+        f"error: node 0 has not served the nodes' store at 127.0.0.1:{port} within 3 s (not started, or gone); start"
+        " train.py on node 0 with the same MASTER_ADDR and MASTER_PORT"
+    ], (node_1.returncode, err[-3000:])
+
+
+def test_a_rank_starved_on_a_loaded_machine_is_slow_not_lost(tmp_path):
+    # Rank 1 runs nothing for 4 heartbeat timeouts (its threads neither: no beat), as on a machine loaded far past its
+    # cores. Rank 0 sees its process alive on this host and not stopped: slow, not lost; the run ends as any other.
+    starve = ["+callbacks.starve._target_=probes.StarvedAtStep", "+callbacks.starve.step=2",
+              "+callbacks.starve.seconds=8"]  # fmt: skip
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "heartbeat_timeout_s=2", "debug=limit",
+                 "trainer.max_epochs=1", *starve, env=PROBES)  # fmt: skip
+    assert "error:" not in proc.stderr and "has not answered" not in proc.stdout + proc.stderr
+
+
 def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
     # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's ranks (2 and 3
     # of two processes a node) meet it in setup, while node 0's wait for them in a collective.
@@ -693,11 +715,17 @@ def test_a_whole_node_lost_is_named_in_one_line_by_the_other_which_exits_124(fau
             os.killpg(procs[lost].pid, signal.Signals[fault])  # its session: the node's whole process tree
         survivor = procs[1 - lost]
         codes, _, lines = exits([survivor], timeout=60)
+        if fault == "SIGSTOP":  # continued once the run has ended: the stopped node says what befell it, once
+            os.killpg(procs[lost].pid, signal.SIGCONT)
+            continued = exits([procs[lost]], timeout=60)
     named = "|".join(f"rank {rank} \\(node {lost}\\)" for rank in range(lost * devices, (lost + 1) * devices))
     said = "is gone: its connection closed (killed, or its node lost)" if fault != "SIGSTOP" else (
         "has not answered for 4 s (killed, stopped, or its node lost)")  # fmt: skip
     line = rf"error: ({named}) {re.escape(said)}; every process of the run stops"  # any of its ranks, found first
     assert codes == [124] and len(lines) == 1 and re.fullmatch(line, lines[0]), (codes, lines)
+    if fault == "SIGSTOP":  # not the store's holder blamed, by each of its processes, for its own node's stop
+        said = r"error: rank [23] \(node 1\) did not run for \d+ s \(stopped, or starved\); the run's store is gone"
+        assert continued[0] == [124] and len(continued[2]) == 1 and re.match(said, continued[2][0]), continued
 
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import QUIET, ROOT, descendants, on_cpu, train, wait_for_checkpoint, with_env, worker_of_rank
-from starter.launch.watchdog import gone, process_state
+from starter.process_state import gone, process_state
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import os
 from datetime import datetime
 from functools import cache
 
-from starter.errors import to_stderr
+from starter.errors import WorkerFailed, to_stderr
 from starter.launch.environment import slurm_tasks
 from starter.topology import node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
@@ -19,7 +19,7 @@ NO_ID = (
 
 
 @cache  # one name per process, however often Hydra resolves the run directory
-def run_name(num_nodes: int = 1) -> str:
+def run_name(num_nodes: int = 1, nodes_wait_s: float = 300.0) -> str:
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # microseconds: concurrent runs never collide
     if (run_id := torchrun_id()) is not None:
         # One name per torchrun job, kept by its restarts, at any size (--nnodes=1:2), for ckpt_path=auto to resume
@@ -31,7 +31,13 @@ def run_name(num_nodes: int = 1) -> str:
             return "torchrun-" + "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)
         from starter.run_store import client  # torch: only when several processes must agree
 
-        store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's
+        address = os.environ["MASTER_ADDR"]
+        try:
+            store = client(address, int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's
+        except ConnectionError as err:  # its rank 0's host's name, which may resolve to loopback on every host
+            to_stderr(f"error: rank {os.environ.get('RANK')}: {err} (torchrun's MASTER_ADDR); on several hosts give"
+                      " torchrun --local-addr=<this host's address> on every node")  # fmt: skip
+            raise SystemExit(2) from None
         return _share(store, f"{KEY}/{run_id}", stamp, first=int(os.environ["RANK"]) == 0)
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
@@ -43,7 +49,13 @@ def run_name(num_nodes: int = 1) -> str:
         from starter.launch.nodes import join_nodes
 
         node_zero = node_rank() == 0
-        store = join_nodes(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), serve=node_zero)
+        try:
+            store = join_nodes(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), node_zero, float(nodes_wait_s)
+            )
+        except WorkerFailed as err:  # node 0 never served the store: said here, not as a resolver's traceback
+            to_stderr(f"error: {err.message}")
+            raise SystemExit(err.exit_code) from None
         return _share(store, KEY, stamp, first=node_zero)
     return stamp  # anything missing for several nodes is reported in one line by preflight.prepare
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 from starter.config_choices import leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
 from starter.run_failure import failure, report
-from starter.run_store import free_port, serve_store
+from starter.run_store import answers, free_port, listening, serve_store
 from starter.topology import key_prefix, node_rank
 
 _node_store = None  # the store this job serves (node 0) or shares, held for as long as it runs
@@ -30,6 +30,7 @@ def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
     for attempt in range(5):
         try:
             if not serve:
+                _served(address, port, timeout_s)
                 _node_store = TCPStore(address, port, wait_for_workers=False, multi_tenant=True, timeout=timeout)
             else:
                 _node_store = serve_store(address, port or free_port(address), multi_tenant=True, timeout=timeout)
@@ -37,6 +38,18 @@ def join_nodes(address: str, port: int, serve: bool, timeout_s: float = 300.0):
         except (DistNetworkError, OSError):
             if port or attempt == 4:
                 raise  # else another process took the free port first: another
+
+
+def _served(address: str, port: int, timeout_s: float) -> None:
+    """Until node 0's job serves the store at address:port (a client would wait in C, deaf to signals, a trace a try);
+    a line where it has not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not listening(address, port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not listening(address, port):
+        line = f"node 0 has not served the nodes' store at {address}:{port} within {timeout_s:.0f} s (not started, or"
+        line += " gone); start train.py on node 0 with the same MASTER_ADDR and MASTER_PORT"
+        raise WorkerFailed(line, LOST_EXIT_CODE)
 
 
 def node_store():
@@ -68,6 +81,9 @@ def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float,
     store.set(f"{prefix}/ready/{node}", hashlib.sha256(config.encode()).hexdigest())
     deadline = time.monotonic() + wait_s
     while True:
+        if node and not answers(store):
+            line = f"node 0, which serves the nodes' store at {store.host}:{store.port}, is gone (killed, or its host"
+            raise WorkerFailed(f"{line} lost) while the nodes met; start every node again", LOST_EXIT_CODE, node=0)
         if reported := failure(store, prefix):
             code, line, failed_node = reported
             raise WorkerFailed(line, code, node=failed_node)

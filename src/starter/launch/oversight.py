@@ -11,7 +11,8 @@ from pathlib import Path
 
 from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
-from starter.launch.watchdog import process_state, where
+from starter.launch.watchdog import where
+from starter.process_state import process_state
 from starter.run_failure import failure, report, said
 from starter.run_store import answers
 from starter.topology import node_rank

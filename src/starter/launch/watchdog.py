@@ -19,15 +19,15 @@ import time
 import traceback
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline
 from starter.launch.stall import Stall, main_thread_at, read_progress
+from starter.process_state import gone, process_state, runs
 from starter.run_failure import failure, report
-from starter.run_store import answers, client, reach, serve_store
+from starter.run_store import answers, client, listening, reach, serve_store
 from starter.topology import key_prefix, torchrun_agents_share_their_store
 
 STARTUP_S = 60.0  # the least time a rank that has not beaten yet is waited for
@@ -195,7 +195,7 @@ class Watchdog:
                     allowed = self.timeout_s if counter else max(self.timeout_s, STARTUP_S)
                     if counter != seen[rank][0]:
                         seen[rank] = (counter, now)
-                    elif now - seen[rank][1] > allowed and not self.stopping.is_set():
+                    elif now - seen[rank][1] > allowed and not self.stopping.is_set() and not runs_here(store, rank):
                         line = f"{where(rank, self.ranks_per_node)} has not answered for {allowed:.0f} s (killed,"
                         report(
                             store, LOST_EXIT_CODE, f"{line} stopped, or its node lost); every process of the run stops"
@@ -243,16 +243,31 @@ class Watchdog:
         return True
 
     def _time_the_store(self) -> None:
+        """Ends this process when the store has not answered for the heartbeat timeout; not where its holder is this
+        host's train.py, alive and not stopped (slow: a loaded machine), nor for a time this process did not run
+        itself (stopped, then continued: said so, where the store went meanwhile). One line a node."""
+        ticked = time.monotonic()
         while not self.stopping.wait(1.0):
-            allowed = self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
+            now, allowed = time.monotonic(), self.timeout_s if self.ever_answered else max(self.timeout_s, STARTUP_S)
+            if now - ticked > max(5.0, 2 * self.interval):  # this process did not run meanwhile
+                self.answered = max(self.answered, now - (now - ticked) / 2)  # a beat's chance before judging
+                if not listening(self.address, self.port):
+                    here = where(self.rank, self.ranks_per_node)
+                    self._end(f"{here} did not run for {now - ticked:.0f} s (stopped, or starved); the run's store is"
+                              " gone meanwhile: the others ended the run")  # fmt: skip
+            ticked = now
             if self.launcher_left:  # its store went with it: stop_grace_s to save
                 allowed = max(allowed, self.stop_grace_s)
-            if time.monotonic() - self.answered > allowed + self.interval:
+            here = self.parent == "train.py" and self.rank < self.ranks_per_node and runs(self.launcher_pid or 0)
+            if now - self.answered > allowed + self.interval and not here:
                 holder = f"{self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
-                to_stderr(
-                    f"error: {holder} not answered for {allowed:.0f} s (killed, stopped, or its node lost); {STOPS}"
-                )
-                os._exit(LOST_EXIT_CODE)
+                self._end(f"{holder} not answered for {allowed:.0f} s (killed, stopped, or its node lost)")
+
+    def _end(self, line: str) -> None:
+        """This process ended with `line`, said by its node's first rank (each process of a node finds the same)."""
+        if self.rank % self.ranks_per_node == 0:
+            to_stderr(f"error: {line}; {STOPS}")
+        os._exit(LOST_EXIT_CODE)
 
     def _leave(self, code: int) -> None:
         if self.stopping.is_set():
@@ -277,6 +292,11 @@ def pid_here(store, rank: int) -> int | None:
     return int(pid) if host == socket.gethostname() else None
 
 
+def runs_here(store, rank: int) -> bool:
+    """Whether the process of `rank` runs on this host, alive and not stopped: a loaded machine's, slow, not lost."""
+    return (pid := pid_here(store, rank)) is not None and runs(pid)
+
+
 def kill_if_stopped_here(store, rank: int) -> None:
     """SIGKILL the process of `rank` if it runs on this host and is stopped ("T"; not "t": a debugger holds it)."""
     if (pid := pid_here(store, rank)) and process_state(pid) == "T":
@@ -284,25 +304,6 @@ def kill_if_stopped_here(store, rank: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass  # gone meanwhile, or not ours to kill
-
-
-def gone(pid: int) -> bool:
-    """Whether process `pid` has ended (exited, or a zombie that its parent has not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return process_state(pid) == "Z"
-
-
-def process_state(pid: int) -> str | None:
-    """The state /proc gives process `pid` (R running, S sleeping, T stopped, Z zombie...); None without one."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, stall_timeout_s: float) -> Watchdog:
