@@ -178,16 +178,19 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
     assert re.search(f"{killed}|{left}", err), err[-3000:]
 
 
-def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_path):
+def test_two_single_process_nodes_on_hosts_of_their_own_train_like_one_process(reference_weights, hosts, tmp_path):
+    # torchrun on each host as the docs' command has it (--master_addr: host 0's address), no GLOO_SOCKET_IFNAME though
+    # each host's name resolves to loopback
     port = free_port()
     nodes = [
-        subprocess.Popen(
+        hosts.popen(
+            rank,
             [
                 *TORCHRUN,
                 "--nnodes=2",
                 f"--node_rank={rank}",
                 "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
+                f"--master_addr={hosts.address(0)}",
                 f"--master_port={port}",
                 str(ROOT / "train.py"),
                 "strategy=ddp",
@@ -195,6 +198,7 @@ def test_two_single_process_nodes_train_like_one_process(reference_weights, tmp_
                 f"paths.log_dir={tmp_path / 'logs'}",
                 *QUIET,
             ],
+            with_env(),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
