@@ -16,7 +16,16 @@ ENTRY_POINTS = {"main", "predict", "export"}
 ENTRY_POINTS.add("make_shards")  # full examples
 # Bottom to top: a unit (a folder, or a module at the package root) imports only from lower layers or its own.
 LAYERS = [
-    {"errors", "declared", "atomic_write", "run_directory", "fork_server", "fork_server_exit", "run_store"},
+    {
+        "errors",
+        "declared",
+        "atomic_write",
+        "run_directory",
+        "fork_server",
+        "fork_server_exit",
+        "run_store",
+        "process_state",
+    },
     {
         "topology",
         "loggers",
@@ -27,6 +36,7 @@ LAYERS = [
         "config_schema",
         "untrusted",
         "run_failure",
+        "host_address",
     },
     {"data", "launch"},
     {"strategies"},
