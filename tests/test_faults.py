@@ -274,19 +274,24 @@ def test_ctrl_c_ends_every_process_with_one_line_and_exit_130(layout, tmp_path):
     assert torch.load(last, weights_only=True)["global_step"] > 0  # what was saved before is whole
 
 
-@pytest.mark.parametrize("signalled", [0, 1])
-def test_a_stop_signal_to_one_node_stops_every_node_at_one_step_each_saying_the_signal_and_where(signalled, tmp_path):
+@pytest.mark.parametrize("signalled", [0, 1], ids=["node 0", "node 1, each node on a host of its own"])
+def test_a_stop_signal_to_one_node_stops_every_node_at_one_step_each_saying_the_signal_and_where(
+    signalled, tmp_path, request
+):
     # SIGTERM to one node's train.py alone (the scheduler's preemption of that node): its agent forwards it to its
     # workers, their watchdogs tell the other node's through the run's store, every rank saves at one step. Each node
     # says the one line, with the signal and the node it reached; node 0's train.py holds the store until node 1 has
     # read how the run stopped, and no node calls the store once it has gone (torch's C++ traces: none). Not after
     # stop_grace_s (90 s here): the exits' timeout is shorter.
+    hosts = request.getfixturevalue("hosts") if signalled else None
     port = free_port()
-    procs = [start_node(tmp_path, node, port, "devices=2", *LONG_DDP[-1:]) for node in (0, 1)]
+    procs = [start_node(tmp_path, node, port, "devices=2", *LONG_DDP[-1:], hosts=hosts) for node in (0, 1)]
     with reaped(*procs):
         last = wait_for_checkpoint(tmp_path, procs[0], epochs=1)
         os.kill(procs[signalled].pid, signal.SIGTERM)
         codes, _, lines = exits(procs, timeout=60, said=("",))
+    # torch's store warns where it cannot name a client by its address (a host of no DNS name): not a trace of ours
+    lines = [line for line in lines if "The hostname of the client socket cannot be retrieved" not in line]
     saved = torch.load(last, weights_only=True)["global_step"]
     said = stop_said(f"SIGTERM (sent to node {signalled})", saved, last, tmp_path)
     assert codes == [143, 143] and lines == [said, said], (codes, lines[:6], len(lines))
