@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor
 from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
 from starter.errors import PREEMPTED_EXIT_CODE, UserError, to_stderr
-from starter.strategies.torchft_setup import reached_at, saying_quorums, torchft, weights_only_transport
+from starter.strategies.torchft_setup import (
+    reached_at,
+    saying_quorums,
+    store_reached_at,
+    torchft,
+    weights_only_transport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,7 @@ class FaultTolerant:
             connect_timeout=timeout,
             rank=self.global_rank,
             world_size=self.world_size,
-            store_addr=os.environ["MASTER_ADDR"],  # where the other groups reach it (publish_where_reached)
+            store_addr=store_reached_at(),  # where the other groups reach it (publish_where_reached)
             store_port=int(os.environ["MASTER_PORT"]),
             hostname=reached_at(),  # the manager's, for the lighthouse to hand out (torchft's: the host's name)
             replica_id=f"replica_group_{self.ft.replica_group}",

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from starter.errors import UserError, one_line
 from starter.host_address import choose_gloo_device, is_loopback, this_host
+from starter.launch.environment import started_externally
 from starter.loggers.console import file_only
 from starter.strategies.replica_agreement import disagreement
 from starter.topology import TORCHFT_MISSING
@@ -74,7 +75,7 @@ def publish_where_reached(ft) -> None:
                 ft.replica_group,
             )
     elif not is_loopback(address):
-        if not given or is_loopback(given):
+        if (not given or is_loopback(given)) and not started_externally():  # torchrun's, srun's: theirs to keep
             os.environ["MASTER_ADDR"] = address
         choose_gloo_device(address)
     os.environ["STARTER_REPLICA_HOST"] = address
@@ -85,6 +86,13 @@ def reached_at() -> str:
     """This process's address for the others (publish_where_reached), as a URL's host."""
     host = os.environ.get("STARTER_REPLICA_HOST") or "127.0.0.1"
     return f"[{host}]" if ":" in host else host
+
+
+def store_reached_at() -> str:
+    """Where the other groups reach this group's store: MASTER_ADDR, or this host's address where that is loopback
+    (torchrun's agent serves it on every interface)."""
+    given = os.environ["MASTER_ADDR"]
+    return os.environ.get("STARTER_REPLICA_HOST", given) if is_loopback(given) else given
 
 
 def saying_quorums(process_group_class, strategy, **kwargs):
