@@ -461,6 +461,19 @@ def test_a_stop_signal_while_a_group_waits_for_the_others_to_join_is_acted_on_wi
     assert took < 5, took  # within a second of the signal, the process's end included (was: the join's 120 s)
 
 
+def test_a_quorum_that_never_forms_is_one_line_within_quorum_timeout_s(tmp_path):
+    # min_replicas=2 and one group: no quorum ever forms; its wait ends (it once went on forever, growing) in one line
+    # naming what is missing
+    port = free_port()
+    proc = group(tmp_path, 0, port, "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=3")
+    with reaped(proc):
+        _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+    said = f"error: replica group 0: no quorum of 2 group(s) at the lighthouse at http://localhost:{port}; torchft"
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(said), (proc.returncode, lines)
+    assert lines[0].endswith("(quorum_timeout_s=3)")  # joining: nothing trained, nothing to save
+
+
 def test_a_torchft_wait_that_raises_timeouterror_raises_it_at_once():
     # torchft raises the builtin TimeoutError (a quorum that timed out); since Python 3.11 it is also what
     # concurrent.futures raises for "not yet": a wait that caught that to poll again never ended
