@@ -146,6 +146,8 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
                  "+callbacks.refuse.epoch_end=true",
                  f"+callbacks.refuse.output={tmp_path / 'refused'}")  # fmt: skip
     said, said_back = finished(survivor), finished(back)
+    if gone == 0:  # started again, group 0 finds the lighthouse it started before, and says so
+        assert f"replica group 0 found the lighthouse at http://localhost:{port}" in said_back
 
     ends = [line.split() for line in (tmp_path / "kept").read_text().splitlines()]
     steps, times = [int(s) for s, _ in ends], [float(t) for _, t in ends]

@@ -15,11 +15,11 @@ IDLE_S = 60.0  # a lighthouse no group has beaten for this long (after the first
 FIRST_S = 600.0  # how long it waits for a first group
 
 
-def start(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> str:
-    """The address of the lighthouse at `port` on this host: the one serving there (group 0 started again), else one
-    started now. Raises OSError where it does not come up (the port taken by something else)."""
+def start(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> tuple[str, bool]:
+    """The address of the lighthouse at `port` on this host, and whether it was started now: else the one serving
+    there (group 0 started again). Raises OSError where it does not come up (the port taken by something else)."""
     address = f"http://localhost:{port}"
-    if not serving(address):
+    if started := not serving(address):
         command = [sys.executable, "-m", "starter.strategies.lighthouse", str(port), str(min_replicas),
                    str(int(join_timeout_s * 1000)), str(int(heartbeat_timeout_s * 1000))]  # fmt: skip
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
@@ -32,7 +32,7 @@ def start(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout
                 raise OSError(said[-1] if said else "it did not come up within 60 s")
             time.sleep(0.1)
         proc.stderr.close()
-    return address
+    return address, started
 
 
 def serving(address: str) -> bool:

@@ -45,14 +45,17 @@ def start_lighthouse(ft) -> None:
         return
     torchft()
     try:
-        address = lighthouse.start(ft.lighthouse_port, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s)
+        address, started = lighthouse.start(
+            ft.lighthouse_port, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s
+        )
     except OSError as err:  # the port taken by something else
         raise UserError(
             f"replica group 0 cannot serve the lighthouse at port {ft.lighthouse_port} ({one_line(err)[:120]}); give"
             " another fault_tolerance.lighthouse_port, the same to every group"
         ) from None
     os.environ["TORCHFT_LIGHTHOUSE"] = address
-    log.info("replica group 0 started the lighthouse at %s (a process of its own: it outlives this group)", address)
+    how = "started" if started else "found"
+    log.info("replica group 0 %s the lighthouse at %s (a process of its own: it outlives this group)", how, address)
 
 
 def publish_where_reached(ft) -> None:
