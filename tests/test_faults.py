@@ -437,7 +437,9 @@ def test_nan_loss_stops_naming_its_step_and_keeps_no_bad_checkpoint(strategy, tm
                  "+callbacks.nan._target_=probes.NanWeightsAtStep", "+callbacks.nan.step=13",
                  env=PROBES, expect_ok=False)  # fmt: skip
     assert proc.returncode == 2
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    (line,) = lines
     # several processes: both meet it; the line names the one that said it first, once
     rank = r"rank [01] \(node 0\): " if strategy == "ddp" else ""
     assert re.fullmatch(f"error: {rank}the training loss is nan at step 13 \\(epoch 0, batch 13\\); lower"

@@ -34,7 +34,7 @@ class Oversight:
         """WorkerFailed for the agent's failures ({global rank: ProcessFailure}): the first a signal ended (its peers
         here leave at once, unsaid: this names it), else the first."""
         rank, process = min(failures.items(), key=lambda failed: (failed[1].exitcode >= 0, failed[1].timestamp))
-        if reported := self._reported():
+        if reported := self._reported(wait_s=2.0):
             return reported
         if process.exitcode < 0:  # a signal ended it: it could not say so; said here and told to the other nodes
             killed = process.signal_name() + (" (out of memory?)" if process.exitcode == -signal.SIGKILL else "")
@@ -93,12 +93,13 @@ class Oversight:
         except Exception:  # the store is gone
             return True
 
-    def _reported(self) -> WorkerFailed | None:
+    def _reported(self, wait_s: float = 0.0) -> WorkerFailed | None:
         if reported := failure(self.store, self.prefix):
-            code, line, node = reported  # no line where this node's own process wrote it and said it
-            self.reported_failure = WorkerFailed(
-                None if node == self.node and said(self.store, self.prefix) else line, code, node
-            )
+            code, line, node = reported  # no line where this node's own process wrote it and said it (`wait_s`: it
+            deadline = time.monotonic() + wait_s * (node == self.node)  # may be between its line and the mark)
+            while not (mine := said(self.store, self.prefix)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.reported_failure = WorkerFailed(None if node == self.node and mine else line, code, node)
         return self.reported_failure
 
     def _watch(self) -> None:
