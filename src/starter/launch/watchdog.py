@@ -261,7 +261,7 @@ class Watchdog:
             here = self.parent == "train.py" and self.rank < self.ranks_per_node and runs(self.launcher_pid or 0)
             if now - self.answered > allowed + self.interval and not here:
                 holder = f"{self.store_holder}, which serves the run's store at {self.address}:{self.port}, has"
-                self._end(f"{holder} not answered for {allowed:.0f} s (killed, stopped, or its node lost)")
+                self._end(f"{holder} not answered for {now - self.answered:.0f} s (killed, stopped, or its node lost)")
 
     def _end(self, line: str) -> None:
         """This process ended with `line`, said by its node's first rank (each process of a node finds the same)."""
