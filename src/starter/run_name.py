@@ -35,8 +35,10 @@ def run_name(num_nodes: int = 1, nodes_wait_s: float = 300.0) -> str:
         try:
             store = client(address, int(os.environ["MASTER_PORT"]), timeout_s=300)  # torchrun's agent's
         except ConnectionError as err:  # its rank 0's host's name, which may resolve to loopback on every host
-            to_stderr(f"error: rank {os.environ.get('RANK')}: {err} (torchrun's MASTER_ADDR); on several hosts give"
-                      " torchrun --local-addr=<this host's address> on every node")  # fmt: skip
+            to_stderr(
+                f"error: rank {os.environ.get('RANK')}: {err} (torchrun's MASTER_ADDR); on several hosts give"
+                " torchrun --local-addr=<this host's address> on every node"
+            )
             raise SystemExit(2) from None
         return _share(store, f"{KEY}/{run_id}", stamp, first=int(os.environ["RANK"]) == 0)
     if slurm_tasks() > 1 and "SLURM_JOB_ID" in os.environ:

@@ -44,12 +44,12 @@ def _served(address: str, port: int, timeout_s: float) -> None:
     """Until node 0's job serves the store at address:port (a client would wait in C, deaf to signals, a trace a try);
     a line where it has not within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not listening(address, port) and time.monotonic() < deadline:
+    while not listening(address, port):
+        if time.monotonic() > deadline:
+            line = f"node 0 has not served the nodes' store at {address}:{port} within {timeout_s:.0f} s (not started,"
+            line += " or gone); start train.py on node 0 with the same MASTER_ADDR and MASTER_PORT"
+            raise WorkerFailed(line, LOST_EXIT_CODE)
         time.sleep(0.2)
-    if not listening(address, port):
-        line = f"node 0 has not served the nodes' store at {address}:{port} within {timeout_s:.0f} s (not started, or"
-        line += " gone); start train.py on node 0 with the same MASTER_ADDR and MASTER_PORT"
-        raise WorkerFailed(line, LOST_EXIT_CODE)
 
 
 def node_store():

@@ -252,9 +252,10 @@ class Watchdog:
             if now - ticked > max(5.0, 2 * self.interval):  # this process did not run meanwhile
                 self.answered = max(self.answered, now - (now - ticked) / 2)  # a beat's chance before judging
                 if not listening(self.address, self.port):
-                    here = where(self.rank, self.ranks_per_node)
-                    self._end(f"{here} did not run for {now - ticked:.0f} s (stopped, or starved); the run's store is"
-                              " gone meanwhile: the others ended the run")  # fmt: skip
+                    self._end(
+                        f"{where(self.rank, self.ranks_per_node)} did not run for {now - ticked:.0f} s (stopped, or"
+                        " starved); the run's store is gone meanwhile: the others ended the run"
+                    )
             ticked = now
             if self.launcher_left:  # its store went with it: stop_grace_s to save
                 allowed = max(allowed, self.stop_grace_s)

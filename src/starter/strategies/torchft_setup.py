@@ -40,8 +40,12 @@ def start_lighthouse(ft) -> None:
 
     if address := ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"):
         os.environ["TORCHFT_LIGHTHOUSE"] = address
-        if (page := lighthouse.status(address)) is not None and not lighthouse.is_lighthouse(page):
-            raise UserError(f"{address} answers, but is not a torchft lighthouse; name the lighthouse's address")
+        try:
+            lighthouse.serving(address)
+        except OSError:
+            raise UserError(
+                f"{address} answers, but is not a torchft lighthouse; name the lighthouse's address"
+            ) from None
         return
     torchft()
     try:
