@@ -1,17 +1,23 @@
 """fault_tolerance=torchft: replica groups that are one ddp run while all live, a refused step trained again (not
 applied twice), a lost group costing the others one heartbeat and no restart, a returning group healed equal."""
 
+import concurrent.futures
 import csv
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import (
     MLP_20_STEPS,
@@ -30,9 +36,14 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 HEARTBEAT_S = 2
+# the probes one group runs and another not are that group's own: every other key is compared as groups join
+PROBES_HOST_OWN = [
+    *OmegaConf.load(ROOT / "conf/fault_tolerance/torchft.yaml").host_own,
+    *(f"callbacks.{name}" for name in ("slow", "kill", "refuse", "stop", "probe", "alone")),
+]
 
 
-def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool = False, hosts=None):
+def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool = False, hosts=None, env=None):
     """Replica group `number` of two, one process (unless `overrides` say), as a user starts it: its own train.py, its
     logs under tmp_path/g<n>; group 0 serves the lighthouse on `port`. `session`: in a session of its own, which a
     probe can kill whole. `hosts` (conftest.hosts): each group on a host of its own, group 0's named by its address
@@ -41,10 +52,11 @@ def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool
     lighthouse = [f"fault_tolerance.lighthouse=http://{at}:{port}"] if number else []
     command = [sys.executable, str(ROOT / "train.py"), "accelerator=cpu", "fault_tolerance=torchft",
                f"fault_tolerance.replica_group={number}", f"fault_tolerance.lighthouse_port={port}", *lighthouse,
+               f"fault_tolerance.host_own={PROBES_HOST_OWN}",
                f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.timeout_s=20",
                f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides]  # fmt: skip
     (tmp_path / f"g{number}").mkdir(parents=True, exist_ok=True)
-    env = with_env(PROBES)
+    env = with_env(PROBES, **(env or {}))
     options = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
     return hosts.popen(number, command, env, **options) if hosts else subprocess.Popen(command, env=env, **options)
 
@@ -267,53 +279,143 @@ def test_a_group_joining_with_a_wider_net_is_refused_in_one_line_before_any_coll
     assert "Traceback" not in out and (tmp_path / "steps0").read_text().count("\n") == 12 * 19
 
 
+def test_a_stranger_speaking_torchft_is_refused_before_any_collective_never_healed_from_and_the_groups_train_on(
+    tmp_path,
+):
+    # Two groups holding the job's token train slowly; a stranger (foreign/stranger_group.py: torchft's own Manager)
+    # joins as replica group 2 for 6 s, claiming step 10**6, echoing group 0's config and proof, serving zero weights.
+    # The groups refuse every quorum it is in (one line), heal from it never, and train on once it has gone.
+    port, token = free_port(), {"STARTER_JOB_TOKEN": "the job's secret"}
+    slow = ["trainer.max_epochs=4", "+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.1"]
+    procs = [group(tmp_path, g, port, *slow, f"+callbacks.slow.output={tmp_path / f'steps{g}'}", env=token)
+             for g in (0, 1)]  # fmt: skip
+    while not (tmp_path / "steps1").exists():  # both groups train
+        time.sleep(0.2)
+    stranger = subprocess.run(
+        [sys.executable, str(ROOT / "tests/foreign/stranger_group.py"), f"http://localhost:{port}", "6"],
+        env=with_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "stranger left" in stranger.stdout, stranger.stderr[-2000:]
+    page = urllib.request.urlopen(f"http://localhost:{port}/status", timeout=10).read().decode()
+    (replica,) = set(re.findall(r"replica_group_1:[0-9a-f-]+", page))
+    with pytest.raises(urllib.error.HTTPError, match="403"):  # the dashboard's kill: torchft's would end group 1
+        urllib.request.urlopen(f"http://localhost:{port}/replica/{replica}/kill", b"")  # a POST
+    said = [finished(proc) for proc in procs]
+    assert all("replica group 2 came without proof that it holds this job's STARTER_JOB_TOKEN" in s for s in said)
+    assert not any("healed" in s for s in said), said
+    weights = [model_weights(run_dir(tmp_path, g)) for g in (0, 1)]
+    assert max_difference(*weights) == 0.0 and all(w.abs().sum() > 0 for w in weights[0].values())
+    assert all((tmp_path / f"steps{g}").read_text().count("\n") == 4 * 19 for g in (0, 1))
+
+
+CONFIG = {"model.optimizer.lr": 0.002, "fault_tolerance.replica_groups": 2, "model.net.width": 256,
+          "processes per group": 2, "strategy.name": "fsdp"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "theirs,ranks,said",
+    "members,said",
     [
         (
-            {"model.optimizer.lr": 0.02},
-            [0, 1],
+            [(0, {}), (1, {"model.optimizer.lr": 0.02})],
             "replica group 1 trains another config than replica group 0:"
             " model.optimizer.lr=0.02 (replica group 0: 0.002); start every group",
         ),
         (
-            {"fault_tolerance.replica_groups": 3},
-            [0, 1],
+            [(0, {}), (1, {"fault_tolerance.replica_groups": 3})],
             "replica group 1 trains another config than replica group 0:"
             " fault_tolerance.replica_groups=3 (replica group 0: 2); start every group",
         ),
         (
-            {"processes per group": 1, "strategy": "ddp"},
-            [0, 1],
+            [(0, {}), (1, {"processes per group": 1, "strategy.name": "ddp"})],
             "replica group 1 trains another config than replica group 0: processes per group=1 (replica group 0: 2),"
-            " strategy=ddp (replica group 0: fsdp); start every group",
+            " strategy.name=ddp (replica group 0: fsdp); start every group",
         ),
-        ({}, [0, 1, 1], "replica group 1 is here already; give each group its own fault_tolerance.replica_group"),
-        ({}, [0, 1], None),
+        ([(0, {}), (1, {}), (1, {})], "replica group 1 is here already; give each group its own"),
+        ([(0, {}), ("stranger", 1), (1, {})], "replica group 1 at the lighthouse is another job's (it cannot prove"),
+        ([(0, {}), ("stranger", 0), (1, {})], "replica group 0 came without proof that it holds this job's"),
+        ([(0, {}), ("stranger", 2), (1, {})], "a member claiming replica group 2 came, outside this job's 0 to 1"),
+        ([(0, {}), (1, {})], None),
     ],
-    ids=["lr", "groups", "fsdp's shards over groups of another size", "a number taken", "agreeing"],
+    ids=[
+        "lr",
+        "groups",
+        "fsdp's shards over groups of another size",
+        "a number taken",
+        "another job's number",
+        "a stranger's proof",
+        "a number outside",
+        "agreeing",
+    ],  # fmt: skip
 )
-def test_groups_agree_through_the_quorums_store_on_what_they_train_and_who_they_are(theirs, ranks, said):
-    # what each group's process writes to and reads from the store of a quorum as torchft configures it: group 0's
-    # config, then group 1's (joining) with `theirs` changed; `ranks`: the quorum's, two of one number where a
-    # second group claims it (torchft gives both its place)
+def test_groups_agree_through_the_quorums_store_on_what_they_train_and_who_they_are(members, said, monkeypatch):
+    # what each member of a quorum writes to and reads from its store as torchft configures it, all at once: this
+    # job's groups (a number and their config's changes), or a stranger who knows every key and format but not the
+    # job's token; the last member joins, and is told `said` (None: it agrees)
     from types import SimpleNamespace
 
     from starter.run_store import serve_store
     from starter.strategies.replica_agreement import disagreement
 
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "the job's secret")
     store = serve_store("127.0.0.1")
-    config = {"model.optimizer.lr": 0.002, "fault_tolerance.replica_groups": 2, "model.net.width": 256}
-    config |= {"processes per group": 2, "strategy": "fsdp"}
     address = f"127.0.0.1:{store.port}/torchft/7/0"
+    for _, number in [m for m in members if m[0] == "stranger"]:
+        store.set(f"{address.split('/', 1)[1]}/starter/member/beef", f"{'0' * 64}:{json.dumps(CONFIG)}")
+        store.append(f"{address.split('/', 1)[1]}/starter/members", f"{number}:beef ")
+    ours = [m for m in members if m[0] != "stranger"]
 
-    def strategy(number: int, agreed: dict):
-        ft = SimpleNamespace(replica_group=number, timeout_s=10)
-        return SimpleNamespace(ft=ft, agreed=json.dumps(agreed), world_size=1)
+    def says(number: int, theirs: dict, joining: bool):
+        ft = SimpleNamespace(replica_group=number, replica_groups=2, timeout_s=10, lighthouse=None)
+        member = SimpleNamespace(ft=ft, agreed=json.dumps(CONFIG | theirs), world_size=1, nonce=os.urandom(4).hex())
+        return disagreement(address, member, list(range(len(members))), joining=joining)
 
-    assert disagreement(address, strategy(0, config), [0], joining=False) is None
-    line = disagreement(address, strategy(1, config | theirs), ranks, joining=True)
-    assert line == said or line.startswith(said), line
+    with concurrent.futures.ThreadPoolExecutor(len(ours)) as pool:
+        found = [pool.submit(says, *member, joining=i == len(ours) - 1) for i, member in enumerate(ours)]
+        found = [f.result() for f in found]
+    assert (found[-1] and found[-1][1]) == said or found[-1][1].startswith(said), found[-1]
+
+
+@pytest.mark.parametrize(
+    "theirs,differ",
+    [
+        (["data.batch_size=32"], ["data.batch_size"]),
+        (["trainer.limit_train_batches=10"], ["trainer.limit_train_batches"]),
+        (
+            ["+trainer.max_steps=7", "+trainer.val_check_interval=3"],
+            ["trainer.max_steps", "trainer.val_check_interval"],
+        ),  # noqa: E501
+        (["callbacks.weight_averaging.decay=0.9"], ["callbacks.weight_averaging.decay"]),
+        (["+my_new_key=1"], ["my_new_key"]),  # a key nobody listed yet is compared
+        (
+            [
+                "paths.data_dir=/elsewhere",
+                "data.num_workers=4",
+                "fault_tolerance.replica_group=1",
+                "logger=tensorboard",
+                "fault_tolerance.host=10.0.0.2",
+                "checkpoint_every_n_steps=5",
+                "trainer.log_every_n_steps=1",
+            ],
+            [],
+        ),
+    ],
+    ids=[
+        "a data key",
+        "a step-shaping trainer key",
+        "max_steps and val_check_interval",
+        "a callback's",
+        "a new key",
+        "what a host keeps to itself",
+    ],  # fmt: skip
+)
+def test_the_config_groups_compare_is_the_whole_config_less_what_a_host_keeps_to_itself(theirs, differ, tmp_path):
+    from conftest import compose_config
+    from starter.strategies.replica_agreement import agreed_config
+
+    base = ["fault_tolerance=torchft", "data=digits"]
+    ours = json.loads(agreed_config(compose_config(base, tmp_path / "a"), 1))
+    other = json.loads(agreed_config(compose_config(base + theirs, tmp_path / "b"), 1))
+    assert sorted(k for k in ours.keys() | other.keys() if ours.get(k) != other.get(k)) == differ
 
 
 def test_a_stop_signal_while_a_group_waits_for_a_quorum_saves_and_stops_it_at_once(tmp_path):

@@ -113,8 +113,14 @@ def test_strangers_on_the_runs_ports_and_store_change_nothing_and_a_sigkilled_wo
         for said in (b"", b"1\n", b"1 0123456789abcdef\n", b"GET / HTTP/1.0\r\n\r\n", *replayed):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as stranger:
                 stranger.sendall(said)
-    lifeline = int(store.get(next(k for k in store.list_keys() if k.endswith("/lifeline"))))
+    prefix = next(k for k in store.list_keys() if k.endswith("/lifeline")).removesuffix("/lifeline")
+    lifeline = int(store.get(f"{prefix}/lifeline").split(b":")[-1])  # its value carries the job token's proof first
     flood = [socket.create_connection(("127.0.0.1", lifeline), timeout=10) for _ in range(2000)]  # held, silent
+    # records written as the run's own are, without the job token's proof (a record of the run's own, replayed, too)
+    store.set(f"{prefix}/failed", "2|0|stranger: this run was ended by someone outside it")
+    store.set(f"{prefix}/stop/origin", b":".join([b"", b"SIGTERM|0|training"]))
+    store.set(f"{prefix}/stop/at", published[0])
+    store.set(f"{prefix}/lifeline/proof/1", b"0" * 64)
     steps = torch.load(wait_for_checkpoint(tmp_path, proc, epochs=3), weights_only=True)["global_step"]
     for stranger in flood:
         stranger.close()
@@ -133,13 +139,13 @@ def listening_only(pid: int) -> list[int]:
 def test_a_flood_before_rank_0_reads_its_lifeline_closes_strangers_never_a_rank_that_said_who_it_is():
     # rank 1 connects and proves itself; before rank 0's watchdog first looks, more silent connections than PENDING
     # arrive: making room closes the oldest silent ones, not rank 1 (the oldest of all), whose proof is heard first
-    from starter.launch.lifeline import PENDING, Lifeline
+    from starter.launch.lifeline import PENDING, Lifeline, published_port
     from starter.run_store import client, serve_store
 
     store = serve_store("127.0.0.1")
     rank_0 = Lifeline(store, "run", "127.0.0.1", 0)
     rank_1 = Lifeline(client("127.0.0.1", store.port, 10), "run", "127.0.0.1", 1)
-    port = int(store.get("run/lifeline"))
+    port = published_port(store, "run")
     time.sleep(0.2)  # rank 1's proof is in its connection's buffer
     flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(PENDING + 16)]
     assert rank_0.gone() == [] and list(rank_0.peers) == [1] and len(rank_0.unknown) <= PENDING
@@ -149,22 +155,34 @@ def test_a_flood_before_rank_0_reads_its_lifeline_closes_strangers_never_a_rank_
     rank_0.close()
 
 
-def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_or_floods_and_names_one_that_closes():
-    from starter.launch.lifeline import PENDING, Lifeline
+def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_writes_or_floods_and_names_one_that_closes(
+    monkeypatch,
+):
+    from starter.launch.lifeline import PENDING, Lifeline, proof
     from starter.run_store import client, serve_store
 
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "the job's secret")
     store = serve_store("127.0.0.1")
     rank_0 = Lifeline(store, "run", "127.0.0.1", 0)
     rank_1 = Lifeline(client("127.0.0.1", store.port, 10), "run", "127.0.0.1", 1)
     stranger_store = client("127.0.0.1", store.port, 10)
     published = {key: stranger_store.get(key) for key in stranger_store.list_keys()}  # all a stranger can read
-    port = int(published["run/lifeline"])
+    port = int(published["run/lifeline"].split(b":")[1])
+    time.sleep(0.2)
+    assert rank_0.gone() == [] and list(rank_0.peers) == [1]
+    live = rank_0.peers[1]
+    for rank in (1, 2):  # a second hello for the connected rank, and one for a rank not yet there: the stranger wrote
+        stranger_store.set(f"run/lifeline/proof/{rank}", b":" + proof("mine").encode())  # their proofs, without ours
+        with socket.create_connection(("127.0.0.1", port)) as second:
+            second.sendall(f"{rank} mine\n".encode())
+            time.sleep(0.2)
+            assert rank_0.gone() == [] and rank_0.peers == {1: live}
     strangers = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
     strangers[0].close()  # a port scan
     strangers[1].sendall(b"1\n")  # a rank without a proof
     strangers[2].sendall(b"2 " + b"0" * 32 + b"\n")  # a wrong one
-    strangers[3].sendall(b"1 " + published["run/lifeline/proof/1"] + b"\n")  # what the store holds, replayed
-    strangers[4].sendall(b"0 " + published["run/lifeline/proof/1"] + b"\n")  # rank 0's own place
+    strangers[3].sendall(b"1 " + published["run/lifeline/proof/1"].split(b":")[1] + b"\n")  # the store's, replayed
+    strangers[4].sendall(b"0 " + published["run/lifeline/proof/1"].split(b":")[1] + b"\n")  # rank 0's own place
     lost, beating = [], threading.Event()
 
     def beat():  # rank 0's watchdog thread: it waits on the lifeline and reads it

@@ -53,6 +53,7 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
         config_path = save_resolved(cfg, run_dir / "config.yaml")
         console(cfg)
         log.info("%s: %s", cfg.task_name, what_runs(cfg, plan.layout))
+        guard_the_job(cfg, plan)
         gloo_reaches_the_nodes()
         if job == TRAIN:
             serve_lighthouse(cfg)
@@ -90,6 +91,21 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
             raise SystemExit(USER_ERROR_EXIT_CODE) from None
         raise KeyboardInterrupt from None
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def guard_the_job(cfg: DictConfig, plan: Plan) -> None:
+    """The job token (job_token.py): made here for a job whose processes this train.py alone starts on this host; where
+    other nodes or replica groups take part and none is given, one line says what a stranger can then do."""
+    from starter import job_token
+
+    ft = cfg.get("fault_tolerance")
+    others = plan.layout.nodes > 1 or (ft and ft.replica_groups > 1)
+    if job_token.given():
+        return
+    if others and process_rank() == 0:
+        log.warning(job_token.UNGUARDED)
+    elif not others and plan.started_by in ("ours", None):
+        job_token.make_for_this_host()
 
 
 def gloo_reaches_the_nodes() -> None:

@@ -1,10 +1,12 @@
 """The run's failure, recorded once in its store: the first process to meet one writes `failed` (its exit code, its
 node and its line) and says the line; every other process, launcher and node reads it there and leaves with its
-code, saying nothing more (another node's launcher says it too)."""
+code, saying nothing more (another node's launcher says it too). The record carries the job token's proof
+(job_token.py): one a stranger wrote is no failure, and a process that fails replaces it."""
 
 import contextlib
 
 from starter.errors import to_stderr
+from starter.job_token import opened, signed
 from starter.run_store import answers
 from starter.topology import key_prefix
 
@@ -13,9 +15,13 @@ def report(store, code: int, line: str, node: int = 0, prefix: str | None = None
     """Write `failed` unless a process did first; print `line` only then (if `say`), and write `failed/said` (a
     process killed in between has not: its launcher says it). Returns whether this was the first. `node`: the node
     whose process met it (another node's launcher says it too)."""
-    mine, key = f"{code}|{node}|{line}", f"{prefix or key_prefix()}/failed"
+    key = f"{prefix or key_prefix()}/failed"
+    mine = signed(key, f"{code}|{node}|{line}")
     try:
-        first = not answers(store) or store.compare_set(key, "", mine).decode() == mine
+        first = not answers(store) or (found := store.compare_set(key, "", mine)).decode() == mine
+        if not first and opened(key, found) is None:  # a stranger's: ours replaces it
+            store.set(key, mine)
+            first = True
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
     if first and say:
@@ -35,11 +41,12 @@ def said(store, prefix: str) -> bool:
 
 
 def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
-    """(code, line, node) that a process reported; None where none did, or the store is None or gone (its holder has
-    ended: the watchdogs say why)."""
+    """(code, line, node) that a process reported; None where none did (or a stranger wrote it), or the store is None or
+    gone (its holder has ended: the watchdogs say why)."""
     key = f"{prefix or key_prefix()}/failed"
     try:
-        code, node, line = store.get(key).decode().split("|", 2) if answers(store) and store.check([key]) else "||"
+        record = (opened(key, store.get(key)) if answers(store) and store.check([key]) else None) or "||"
+        code, node, line = record.split("|", 2)
         return int(code), line, int(node)
     except Exception:  # none reported (int("")), or the store went meanwhile
         return None

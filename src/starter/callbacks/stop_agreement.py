@@ -1,10 +1,12 @@
 """How the ranks of a run agree on the step at which a stop signal stops them, through the run's store: no collective,
 nothing read from the device, and nothing at all until a signal arrives; and the one line a stopped run ends with.
-Lightning-free: the launcher and the watchdogs read what it writes."""
+Lightning-free: the launcher and the watchdogs read what it writes. Where the signal arrived, what was saved and that
+the line was said carry the job token's proof (job_token.py): a stranger's stop is none."""
 
 import os
 from pathlib import Path
 
+from starter.job_token import opened, signed
 from starter.loggers.report import shown
 from starter.run_store import client
 from starter.topology import key_prefix
@@ -42,15 +44,21 @@ class StopAgreement:
         store = self.store()
         if not self.counted:
             store.add(f"{self.prefix}/ranks", 1)
-            store.compare_set(f"{self.prefix}/origin", "", origin)  # before `at`, which the watchdogs relay
+            key = f"{self.prefix}/origin"  # before `at`: the watchdogs relay a proven origin
+            if opened(key, store.compare_set(key, "", signed(key, origin))) is None:  # a stranger's first
+                store.set(key, signed(key, origin))
             self.counted = True
-        at = int(store.compare_set(f"{self.prefix}/at", "", str(step + 1)).decode())
-        if step < at:
+        at_key = f"{self.prefix}/at"
+        at = opened(at_key, store.compare_set(at_key, "", signed(at_key, str(step + 1))))
+        if at is None or not at.isdigit():  # a stranger's: the step is ours to propose
+            store.set(at_key, signed(at_key, at := str(step + 1)))
+        if step < int(at):
             return False
         everyone = store.add(f"{self.prefix}/ranks", 0) >= self.world
-        decided = store.compare_set(f"{self.prefix}/decided/{step}", "", "stop" if everyone else "go").decode()
+        key = f"{self.prefix}/decided/{step}"
+        decided = opened(key, store.compare_set(key, "", signed(key, "stop" if everyone else "go")))
         if decided == "go":
-            store.compare_set(f"{self.prefix}/at", str(step), str(step + 1))
+            store.compare_set(at_key, signed(at_key, str(step)), signed(at_key, str(step + 1)))
         return decided == "stop"
 
     def say_saved(self, step: int) -> None:
@@ -63,7 +71,7 @@ class StopAgreement:
 
     def _set(self, key: str, value: str) -> None:
         try:
-            self.store().set(f"{self.prefix}/{key}", value)
+            self.store().set(f"{self.prefix}/{key}", signed(f"{self.prefix}/{key}", value))
         except (OSError, RuntimeError):
             pass
 
@@ -72,30 +80,33 @@ def stop_origin(store, prefix: str) -> tuple[str, int, str] | None:
     """(signal, node, phase) where the run's stop signal arrived first; None where none was agreed on."""
     key = f"{prefix}/{STOP_KEY}/origin"
     try:
-        signal, node, phase = store.get(key).decode().split("|", 2) if store.check([key]) else ("", "", "")
+        record = opened(key, store.get(key)) if store.check([key]) else None
     except Exception:  # the store is gone
         return None
+    signal, node, phase = record.split("|", 2) if record and record.count("|") >= 2 else ("", "", "")
     return (signal, int(node), phase) if node.isdigit() else None
 
 
 def stop_requested(store, prefix: str) -> bool:
     """Whether a rank of the run has asked the others to stop (a watchdog relays it to a rank no signal reached)."""
-    return store.check([f"{prefix}/{STOP_KEY}/at"])
+    return stop_origin(store, prefix) is not None
 
 
 def saved_step(store, prefix: str) -> int | None:
     """The step at which the run saved last.ckpt on a stop signal; None where it did not."""
     key = f"{prefix}/{STOP_KEY}/saved"
     try:
-        return int(store.get(key).decode()) if store is not None and store.check([key]) else None
+        step = opened(key, store.get(key)) if store is not None and store.check([key]) else None
     except Exception:  # the store is gone
         return None
+    return int(step) if step and step.isdigit() else None
 
 
 def told(store, prefix: str) -> bool:
     """Whether rank 0 has said the run's stop line (StopAgreement.say_told)."""
     try:
-        return store.check([f"{prefix}/{STOP_KEY}/told"])
+        key = f"{prefix}/{STOP_KEY}/told"
+        return store.check([key]) and opened(key, store.get(key)) is not None
     except Exception:  # the store is gone
         return False
 

@@ -3,7 +3,8 @@ seconds: its operating system closes its sockets when it ends (SIGKILLed, or its
 peer's beat, waiting on it, reads the end at once. One that leaves on its own says "bye" first. One alive but silent
 (stopped, hung in C) keeps it open: the heartbeat names it.
 Rank 0 listens where its peers reach it, on a port published in the run's store. Each rank proves who it is with a
-token only its connection carries (the store holds its hash): a connection that proves no rank not yet connected
+token only its connection carries (the store holds its hash, and the port, with the job token's proof: job_token.py):
+a connection that proves no rank not yet connected
 within seconds (a port scan, a stranger, a replay of what the store holds) is closed and changes nothing; at most
 `PENDING` wait at once (a flood closes the oldest silent one, never a rank that said who it is, nor descriptors)."""
 
@@ -14,6 +15,7 @@ import selectors
 import socket
 import time
 
+from starter.job_token import opened, signed
 from starter.run_store import listener
 
 HELLO_S = 5.0  # how long a new connection has to say who it is
@@ -22,6 +24,13 @@ PENDING = 64  # connections yet to say who they are, at most
 
 def proof(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def published_port(store, prefix: str) -> int | None:
+    """Rank 0's lifeline port, where rank 0 published it (with the job token's proof)."""
+    key = f"{prefix}/lifeline"
+    port = opened(key, store.get(key)) if store.check([key]) else None
+    return int(port) if port and port.isdigit() else None
 
 
 class Lifeline:
@@ -35,11 +44,13 @@ class Lifeline:
             self.server = listener(address)
             self.server.setblocking(False)
             self.selector.register(self.server, selectors.EVENT_READ)
-            store.set(f"{prefix}/lifeline", str(self.server.getsockname()[1]))
+            store.set(f"{prefix}/lifeline", signed(f"{prefix}/lifeline", str(self.server.getsockname()[1])))
         else:
-            token = secrets.token_hex(16)
-            store.set(f"{prefix}/lifeline/proof/{rank}", proof(token))
-            port = int(store.get(f"{prefix}/lifeline").decode())  # rank 0's, published
+            token, key = secrets.token_hex(16), f"{prefix}/lifeline/proof/{rank}"
+            store.set(key, signed(key, proof(token)))
+            port = published_port(store, prefix)
+            if port is None:
+                raise OSError("rank 0's lifeline is not published (or not by the run)")
             self.peers[0] = socket.create_connection((address, port), timeout=10)
             self.selector.register(self.peers[0], selectors.EVENT_READ)
             self.peers[0].sendall(f"{rank} {token}\n".encode())
@@ -82,11 +93,11 @@ class Lifeline:
             return None
         key = f"{self.prefix}/lifeline/proof/{int(words[0])}"
         try:
-            expected = self.store.get(key) if self.store.check([key]) else b""
+            expected = (opened(key, self.store.get(key)) if self.store.check([key]) else None) or ""
         except (OSError, RuntimeError):
             return None
         token = words[1].decode(errors="replace")
-        return int(words[0]) if expected and secrets.compare_digest(proof(token).encode(), expected) else None
+        return int(words[0]) if expected and secrets.compare_digest(proof(token), expected) else None
 
     def _ready(self) -> set:
         """The connections a read from would not wait on (data, or their end)."""

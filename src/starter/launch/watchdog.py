@@ -23,7 +23,7 @@ from functools import partial
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
 from starter.launch.environment import cluster_environment
-from starter.launch.lifeline import Lifeline
+from starter.launch.lifeline import Lifeline, published_port
 from starter.launch.stall import Stall, main_thread_at, read_progress
 from starter.process_state import gone, process_state, runs
 from starter.run_failure import failure, report
@@ -184,7 +184,7 @@ class Watchdog:
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()
-                if self.lifeline is None and (self.rank == 0 or store.check([f"{prefix}/lifeline"])):
+                if self.lifeline is None and (self.rank == 0 or published_port(store, prefix) is not None):
                     self.lifeline = Lifeline(store, prefix, self.address, self.rank, self.signals)
                 if self.rank == 0 and (line := stall.check(read_progress(store, prefix, self.world), now)):
                     report(store, LOST_EXIT_CODE, line)

@@ -13,6 +13,7 @@ of every group's processes would split it, so with every group live the run is t
 import concurrent.futures
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -25,11 +26,11 @@ from starter.callbacks.preemption import SaveOnSigterm
 from starter.callbacks.stop_agreement import StopAgreement, stop_line
 from starter.errors import PREEMPTED_EXIT_CODE, UserError, to_stderr
 from starter.strategies.torchft_setup import (
+    proven_transport,
     reached_at,
     saying_quorums,
     store_reached_at,
     torchft,
-    weights_only_transport,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class FaultTolerant:
     def __init__(self, *, fault_tolerance, agreed: str = "{}", **kwargs):
         super().__init__(**kwargs)
         self.ft, self.agreed, self.disagreement = fault_tolerance, agreed, None
+        self.nonce = secrets.token_hex(8)  # this process among the quorum's members (replica_agreement.py)
+        self.refusing, self.refusing_since = None, 0.0  # the line of a quorum refused, while it lasts
         self.joining = False
         self.manager, self.outer = None, None  # outer: fault_tolerance.sync_every (DiLoCo, outer_sync.py)
         self.groups: list[int] = []  # the replica groups of the last quorum
@@ -94,7 +97,7 @@ class FaultTolerant:
             store_port=int(os.environ["MASTER_PORT"]),
             hostname=reached_at(),  # the manager's, for the lighthouse to hand out (torchft's: the host's name)
             replica_id=f"replica_group_{self.ft.replica_group}",
-            checkpoint_transport=weights_only_transport(timeout=timeout, num_chunks=0),
+            checkpoint_transport=proven_transport(timeout=timeout, num_chunks=0),
             use_async_quorum=not self.ft.get("sync_every"),  # DiLoCo's sync heals before it sends
         )
 
@@ -223,11 +226,11 @@ class FaultTolerant:
         joining group whose config is not the others' is refused before it sends anything."""
         self.live_step = False
         try:
-            committed = self._waited(lambda: self.outer.sync(agreed=lambda: not (self.joining and self.disagreement)))
+            committed = self._waited(lambda: self.outer.sync(agreed=lambda: not self._leaves()))
         except FAILURES as err:
             raise self._failed(err) from None
         if committed is None:
-            raise UserError(self.disagreement)
+            raise UserError(self.disagreement[1])
         if committed:
             self.refused = 0
         return committed or self._refused()
@@ -239,8 +242,21 @@ class FaultTolerant:
             self._waited(self.manager.wait_quorum)
         except FAILURES as err:
             raise self._failed(err) from None
-        if self.disagreement:
-            raise UserError(self.disagreement)
+        if self._leaves():
+            raise UserError(self.disagreement[1])
+
+    def _leaves(self) -> bool:
+        """Whether this group, joining, was refused by the quorum (its config, its number): it ends in one line."""
+        return bool(self.disagreement and self.disagreement[0])
+
+    def refuse(self, line: str) -> None:
+        """A quorum with a member refused (replica_agreement.py; torchft_setup.saying_quorums): no step of it is
+        committed, until a quorum without that member forms or quorum_timeout_s passes."""
+        if self.refusing is None:
+            self.refusing_since = time.monotonic()
+            if self.global_rank == 0:
+                log.warning(line)
+        self.refusing = line
 
     def _committed(self) -> bool:
         """torchft's commit decision; its failures (no lighthouse, a quorum timed out) as one line."""
@@ -252,11 +268,22 @@ class FaultTolerant:
         return self._refused()
 
     def _refused(self) -> bool:
-        """False; the run ended in one line where the quorum refused REDOS times in a row."""
+        """False; the run ended in one line where the quorum refused REDOS times in a row, or a quorum with a member
+        refused lasted quorum_timeout_s (its steps tried again each half second meanwhile)."""
+        if self.refusing is not None:
+            if time.monotonic() - self.refusing_since > self.ft.quorum_timeout_s:
+                raise self._ended(f"{self.refusing.removesuffix(', training on')} for {self.ft.quorum_timeout_s:g} s")
+            time.sleep(0.5)
+            return False
         self.refused += 1
         if self.refused == REDOS:
-            raise UserError(f"replica group {self.ft.replica_group}: {REDOS} quorums in a row did not commit a step")
+            raise self._ended(f"{REDOS} quorums in a row did not commit a step")
         return False
+
+    def _ended(self, what: str) -> UserError:
+        """The run's end in one line, this group's state saved first."""
+        saved = self._save_last() if not self.joining else ""
+        return UserError(f"replica group {self.ft.replica_group}: {what}{saved}")
 
     def _waited(self, call):
         """A torchft call that waits (for a quorum, a heal, a commit), run on a thread of its own: a stop signal that
@@ -332,7 +359,10 @@ class FaultTolerant:
         flag = torch.full((1,), float(contributes), device=device)
         flat = torch.cat([g.reshape(-1).to(device, torch.float32) for g in grads] + [flag])
         try:
-            self._waited(lambda: self.manager.allreduce(flat).wait())  # it waits for the quorum first
+            self._waited(self.manager.wait_quorum)
+            if self.refusing is not None:  # a member refused: nothing sent to it (the step is not committed)
+                self.manager.report_error(RuntimeError(self.refusing))
+            self._waited(lambda: self.manager.allreduce(flat).wait())
         except FAILURES as err:  # the quorum itself failed (a failed all-reduce is the commit's: refused)
             raise self._failed(err) from None
         offset = 0

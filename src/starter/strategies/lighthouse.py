@@ -2,17 +2,23 @@
 a session of its own, so it outlives group 0's training processes (killed as a tree, stopped, or ended first) and
 losing group 0 costs the others what losing any group does. It ends once no group has beaten for IDLE_S. Group 0
 started again finds it on its port and uses it. What it cannot outlive is its host: where no group's host stays up,
-run one on a host that does (`torchft_lighthouse --min_replicas 1 --bind [::]:29510`) and name it to every group."""
+run one on a host that does (`python -m starter.strategies.lighthouse 29510 1 60000 5000`: port, min_replicas, join and
+heartbeat timeouts in ms) and name it to every group. Its port passes torchft's gRPC and serves the status page, and
+refuses every other request: torchft's own lighthouse would pass anyone's kill request to a group."""
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 IDLE_S = 60.0  # a lighthouse no group has beaten for this long (after the first) ends
 FIRST_S = 600.0  # how long it waits for a first group
+HTTP2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # how torchft's gRPC connections begin
 
 
 def start(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> tuple[str, bool]:
@@ -64,14 +70,65 @@ def beating(page: str) -> int:
 def serve(port: int, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> None:
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                               heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
+    inner = int(server.address().rsplit(":", 1)[1])
+    front = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    threading.Thread(target=_front, args=(front, inner), daemon=True).start()
     address, allowed, last = f"http://localhost:{port}", FIRST_S, time.monotonic()
     while time.monotonic() - last < allowed:
         time.sleep(1)
         if beating(status(address) or ""):
             allowed, last = IDLE_S, time.monotonic()
     server.shutdown()
+
+
+def _front(front: socket.socket, inner: int) -> None:
+    """The lighthouse's port: torchft's gRPC (HTTP/2) passed to the lighthouse, its status page (GET) served; any other
+    request refused, its kill request (POST /replica/<id>/kill, which ends a group's process at once) among them."""
+    while True:
+        conn, _ = front.accept()
+        threading.Thread(target=_answer, args=(conn, inner), daemon=True).start()
+
+
+def _answer(conn: socket.socket, inner: int) -> None:
+    with contextlib.suppress(OSError):
+        conn.settimeout(10)
+        head = conn.recv(len(HTTP2), socket.MSG_PEEK)
+        while head and len(head) < len(HTTP2) and HTTP2.startswith(head):  # the preface in parts
+            time.sleep(0.01)
+            head = conn.recv(len(HTTP2), socket.MSG_PEEK)
+        if head == HTTP2:
+            conn.settimeout(None)
+            lighthouse = socket.create_connection(("127.0.0.1", inner))
+            threading.Thread(target=_pipe, args=(lighthouse, conn), daemon=True).start()
+            _pipe(conn, lighthouse)
+            return
+        request = b""
+        while b"\r\n\r\n" not in request and len(request) < 8192 and (data := conn.recv(4096)):
+            request += data
+        method, path = (request.split(b"\r\n", 1)[0].split() + [b"", b""])[:2]
+        if method == b"GET" and path in (b"/", b"/status"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{inner}{path.decode()}", timeout=10) as page:
+                _reply(conn, "200 OK", page.read())
+        else:
+            _reply(conn, "403 Forbidden", b"refused: this lighthouse answers GET /status only\n")
+    conn.close()
+
+
+def _reply(conn: socket.socket, status: str, body: bytes) -> None:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    conn.sendall(head.encode() + body)
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    for end in (source, sink):
+        with contextlib.suppress(OSError):
+            end.shutdown(socket.SHUT_RDWR)
+            end.close()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,23 @@
-"""fault_tolerance=torchft: replica groups must train the same thing. Each group's config, where it matters (the model,
-its optimizer and schedule, the data and global batch, precision, the groups and their size), is compared with the
-others' through the store of each new quorum, as torchft configures it, before any collective of that quorum: a group
-joining with another config, or a number another group holds, is refused in one line naming the key; nothing reaches
-a mismatched all-reduce."""
+"""fault_tolerance=torchft: replica groups must be this job's, and train the same thing. As torchft configures each new
+quorum, before any collective of it, every member says its config in the quorum's store, with the job token's proof
+(job_token.py), and reads every other member's: a member that cannot prove it (a stranger, another job), claims a
+number outside the job's, holds another's number, or trains another config is refused, in one line naming what differs.
+The config compared is the whole config less `fault_tolerance.host_own`: a new key is compared unless someone says
+a host may keep it to itself."""
 
 import json
+import time
 from datetime import timedelta
+from fnmatch import fnmatchcase
 
-HOST_OWN = ("root", "data_dir", "cache_dir", "download", "num_workers", "pin_memory", "persistent_workers")
+from starter.job_token import opened, signed
+
+STRANGER, WRONG = "stranger", "wrong"  # what a disagreement is: a member not this job's, or this group's own mistake
 
 
 def agreed_config(cfg, world: int) -> str:
-    """What every replica group must train with, as JSON of dotted keys: the model (net, optimizer, lr schedule), the
-    data (global batch, split; not where a host keeps it), precision, seed, epochs, clipping, the groups and their
-    size. A group that differs is refused as it joins (`disagreement`), before any collective could mismatch."""
+    """What every replica group must train with, as JSON of dotted keys: the config, resolved, less the keys
+    `fault_tolerance.host_own` names, and the processes per group."""
     from omegaconf import OmegaConf
 
     from starter.config_choices import leaves
@@ -21,45 +25,82 @@ def agreed_config(cfg, world: int) -> str:
     if not cfg.get("fault_tolerance"):
         return "{}"
     config = OmegaConf.to_container(cfg, resolve=True)
-    trainer = {k: config["trainer"].get(k) for k in ("max_epochs", "max_steps", "gradient_clip_val")}
-    data = {k: v for k, v in (config.get("data") or {}).items() if k not in HOST_OWN}
-    chosen = {"model": config["model"], "data": data, "trainer": trainer, "precision": config["precision"]}
-    chosen |= {"strategy": config["strategy"]["name"]}  # ddp's gradients, or fsdp's shards of them
-    chosen |= {
-        "seed": config["seed"],
-        "fault_tolerance": {
-            k: config["fault_tolerance"].get(k) for k in ("replica_groups", "sync_every", "outer_optimizer")
-        },
-    }
-    return json.dumps(leaves(chosen | {"processes per group": world}), sort_keys=True, default=str)
+    config.pop("hydra", None)
+    own = [pattern.split(".") for pattern in cfg.fault_tolerance.get("host_own") or ()]
+    chosen = {key: value for key, value in leaves(config).items() if not _host_own(key, own)}
+    return json.dumps(chosen | {"processes per group": world}, sort_keys=True, default=str)
 
 
-def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bool) -> str | None:
-    """Through the quorum's store (every group's process of this group rank writes there): a line where another
-    group of the quorum claims this group's number, or trains with another config (said by a group `joining`, which
-    is refused; a live group says whom it refuses); None where they agree."""
+def _host_own(key: str, patterns: list[list[str]]) -> bool:
+    """Whether `key` (dotted) or a key above it matches a pattern (`*`: any one part)."""
+    parts = key.split(".")
+    return any(
+        len(pattern) <= len(parts) and all(fnmatchcase(part, p) for part, p in zip(parts, pattern))
+        for pattern in patterns
+    )
+
+
+def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bool) -> tuple[str, str] | None:
+    """Through the quorum's store: (what, line) where a member of the quorum is refused (STRANGER: not this job's;
+    WRONG: this group's or the other's config, or a number held twice), the line said by a group `joining` (which is
+    refused) or by a live group (which refuses); None where every member is this job's and agrees."""
     from torchft.process_group import create_store_client
 
-    me, ranks = strategy.ft.replica_group, list(global_ranks or ())
-    if len(ranks) != len(set(ranks)):  # two groups of one number: torchft gives them one place
-        taken = next(rank // strategy.world_size for rank in ranks if ranks.count(rank) > 1)
-        if not joining:
-            return f"a second replica group {taken} came: refused, training on"
-        return f"replica group {taken} is here already; give each group its own fault_tolerance.replica_group"
-    groups = sorted({rank // strategy.world_size for rank in ranks})
-    store = create_store_client(store_addr, timedelta(seconds=strategy.ft.timeout_s))
-    store.set(f"starter/config/{me}", strategy.agreed)
-    ours = json.loads(strategy.agreed)
-    for group in (g for g in groups if g != me):
-        theirs = json.loads(store.get(f"starter/config/{group}"))
-        if differ := sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key)):
-            mine, other = (ours, theirs) if joining else (theirs, ours)
-            said = ", ".join(f"{k}={mine.get(k, '(none)')} ({'replica group ' + str(group) if joining else 'here'}:"
-                             f" {other.get(k, '(none)')})" for k in differ[:3])  # fmt: skip
+    me, ft = strategy.ft.replica_group, strategy.ft
+    store = create_store_client(store_addr, timedelta(seconds=ft.timeout_s))
+    where = f"{store_addr}|{me}|{strategy.nonce}"
+    store.set(f"starter/member/{strategy.nonce}", signed(where, strategy.agreed))
+    store.append("starter/members", f"{me}:{strategy.nonce} ")
+    expected, deadline = len(global_ranks or ()), time.monotonic() + ft.timeout_s
+    while len(members := store.get("starter/members").decode().split()) < expected:
+        if time.monotonic() > deadline:
+            return WRONG, f"the quorum's members did not say their configs within {ft.timeout_s:g} s: refused"
+        time.sleep(0.05)
+    ours, lighthouse = json.loads(strategy.agreed), ft.lighthouse or "the lighthouse"
+    for member in members:
+        group, _, nonce = member.partition(":")
+        if nonce == strategy.nonce:
+            continue
+        if not group.isdigit() or not 0 <= int(group) < ft.replica_groups:
+            return STRANGER, (
+                f"a member claiming replica group {group[:20]} came, outside this job's 0 to {ft.replica_groups - 1}:"
+                " refused"
+            )
+        said = store.get(f"starter/member/{nonce}")
+        config = opened(f"{store_addr}|{group}|{nonce}", said)
+        if config is None and int(group) == me:
+            return STRANGER, (
+                f"replica group {group} at {lighthouse} is another job's (it cannot prove it holds this job's"
+                " STARTER_JOB_TOKEN): give each job its own fault_tolerance.lighthouse_port"
+            )
+        if config is None:
+            return STRANGER, (
+                f"replica group {group} came without proof that it holds this job's STARTER_JOB_TOKEN (a stranger,"
+                f" or another job's group at {lighthouse}): refused"
+            )
+        theirs = json.loads(config)
+        differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+        if int(group) == me:
+            if differ and joining:
+                said = _said(ours, theirs, differ, "theirs")
+                return STRANGER, (
+                    f"replica group {group} at {lighthouse} trains another config ({said}): it is another job's;"
+                    " give each job its own fault_tolerance.lighthouse_port"
+                )
             if not joining:
-                return f"replica group {group} came with another config ({said}): refused, training on"
-            return (
-                f"replica group {me} trains another config than replica group {group}: {said}; start every group"
-                " with the same config, its fault_tolerance.replica_group apart"
+                return WRONG, f"a second replica group {group} came: refused, training on"
+            return WRONG, f"replica group {me} is here already; give each group its own fault_tolerance.replica_group"
+        if differ and not joining:
+            said = _said(theirs, ours, differ)
+            return WRONG, f"replica group {group} came with another config ({said}): refused, training on"
+        if differ:
+            return WRONG, (
+                f"replica group {me} trains another config than replica group {group}:"
+                f" {_said(ours, theirs, differ, f'replica group {group}')}; start every group with the same config, its"
+                " fault_tolerance.replica_group apart"
             )
     return None
+
+
+def _said(mine: dict, other: dict, keys: list[str], whose: str = "here") -> str:
+    return ", ".join(f"{k}={mine.get(k, '(none)')} ({whose}: {other.get(k, '(none)')})" for k in keys[:3])

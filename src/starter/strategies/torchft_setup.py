@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from starter.errors import UserError, one_line
 from starter.host_address import choose_gloo_device, is_loopback, this_host
+from starter.job_token import proof, proven
 from starter.launch.environment import started_externally
 from starter.loggers.console import file_only
 from starter.strategies.replica_agreement import disagreement
@@ -103,15 +104,22 @@ def store_reached_at() -> str:
 
 
 def saying_quorums(process_group_class, strategy, **kwargs):
-    """torchft's process group, saying in one line which replica groups each new quorum lost or gained."""
+    """torchft's process group, saying in one line which replica groups each new quorum lost or gained, and refusing a
+    quorum with a member that is not this job's or disagrees (replica_agreement.py) before any collective of it:
+    torchft then heals from none of it and commits none of its steps."""
 
     class Quorum(process_group_class):
         def configure(self, store_addr: str, *args, **kwargs):  # the manager passes the quorum's ranks eighth
             global_ranks = args[6] if len(args) > 6 else kwargs.get("global_ranks")
             groups = sorted({rank // strategy.world_size for rank in global_ranks or ()})
-            strategy.disagreement = disagreement(store_addr, strategy, global_ranks, joining=strategy.joining)
-            if strategy.disagreement and not strategy.joining and strategy.global_rank == 0:
-                log.warning(strategy.disagreement)
+            found = disagreement(store_addr, strategy, global_ranks, joining=strategy.joining)
+            strategy.disagreement = found
+            if found:
+                leaves, line = found
+                if not leaves:
+                    strategy.refuse(line)
+                raise RuntimeError(line)  # torchft's: reported, the quorum's step not committed
+            strategy.refusing = None
             super().configure(store_addr, *args, **kwargs)
             lost, came = sorted(set(strategy.groups) - set(groups)), sorted(set(groups) - set(strategy.groups))
             if strategy.groups and (lost or came) and strategy.global_rank == 0:
@@ -126,23 +134,60 @@ def saying_quorums(process_group_class, strategy, **kwargs):
     return Quorum(**kwargs)
 
 
-def weights_only_transport(**kwargs):
-    """torchft's HTTP checkpoint transport, its checkpoints read weights-only (torchft's own reads unpickle), at the
-    address the others reach (torchft's: the host's name, which may resolve to loopback)."""
-    from torchft.checkpointing._serialization import _streaming_load
-    from torchft.checkpointing.http_transport import HTTPTransport
+def proven_transport(**kwargs):
+    """torchft's HTTP checkpoint transport, at the address the others reach (torchft's: the host's name, which may
+    resolve to loopback), its heal's state served with the job token's proof of its step and bytes and accepted only
+    with it (job_token.py), read weights-only (torchft's own reads unpickle)."""
+    import io
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler
 
-    class WeightsOnlyHTTP(HTTPTransport):
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from torchft.checkpointing._serialization import _streaming_load, _streaming_save
+    from torchft.checkpointing.http_transport import HTTPTransport, _to_cpu
+
+    class ProvenHTTP(HTTPTransport):
+        served = (-1, b"", "")  # the step, the state's bytes, their proof
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            import urllib.request
-
+            step = address.rstrip("/").split("/")[-2]
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-                return _streaming_load(f, weights_only=True)
+                body, said = f.read(), f.headers.get("X-Starter-Proof", "")
+            if not proven(f"heal|{step}", body, said):
+                raise RuntimeError(f"the state to heal from at {address} comes without this job's proof: refused")
+            return _streaming_load(io.BytesIO(body), weights_only=True)
+
+        def send_checkpoint(self, dst_ranks, step: int, state_dict, timeout) -> None:
+            values, spec = tree_flatten(state_dict)
+            buffer = io.BytesIO()
+            _streaming_save(tree_unflatten(_to_cpu(values, pin_memory=False), spec), buffer)
+            body = buffer.getvalue()
+            self.served = (step, body, proof(f"heal|{step}", body))
+            self.allow_checkpoint(step)
 
         def address(self) -> str:
             return f"http://{reached_at()}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    transport = WeightsOnlyHTTP(**kwargs)
-    transport._server.RequestHandlerClass.log_message = lambda *args: None  # a line per heal on the console
+    transport = ProvenHTTP(**kwargs)
+
+    class Serving(BaseHTTPRequestHandler):
+        timeout = transport._timeout.total_seconds()
+
+        def do_GET(self) -> None:
+            with transport._checkpoint_lock.r_lock():  # held back until a state is staged
+                step, body, said = transport.served
+                if self.path != f"/checkpoint/{step}/full":
+                    self.send_error(400, f"serving /checkpoint/{step}/full")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("X-Starter-Proof", said)
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # a line per heal on the console
+            pass
+
+    transport._server.RequestHandlerClass = Serving
     return transport
