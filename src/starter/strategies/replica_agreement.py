@@ -12,8 +12,6 @@ from fnmatch import fnmatchcase
 
 from starter.job_token import opened, signed
 
-STRANGER, WRONG = "stranger", "wrong"  # what a disagreement is: a member not this job's, or this group's own mistake
-
 
 def agreed_config(cfg, world: int) -> str:
     """What every replica group must train with, as JSON of dotted keys: the config, resolved, less the keys
@@ -40,10 +38,11 @@ def _host_own(key: str, patterns: list[list[str]]) -> bool:
     )
 
 
-def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bool) -> tuple[str, str] | None:
-    """Through the quorum's store: (what, line) where a member of the quorum is refused (STRANGER: not this job's;
-    WRONG: this group's or the other's config, or a number held twice), the line said by a group `joining` (which is
-    refused) or by a live group (which refuses); None where every member is this job's and agrees."""
+def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bool) -> tuple[bool, str] | None:
+    """Through the quorum's store: (leaves, line) where a member of the quorum is refused: `leaves` where it is this
+    group, joining (another config, a number taken, another job's lighthouse), which then ends in that line; else this
+    group refuses the quorum (a stranger, a member numbered outside the job, one joining with another config) and says
+    the line. None where every member is this job's and agrees."""
     from torchft.process_group import create_store_client
 
     me, ft = strategy.ft.replica_group, strategy.ft
@@ -54,7 +53,7 @@ def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bo
     expected, deadline = len(global_ranks or ()), time.monotonic() + ft.timeout_s
     while len(members := store.get("starter/members").decode().split()) < expected:
         if time.monotonic() > deadline:
-            return WRONG, f"the quorum's members did not say their configs within {ft.timeout_s:g} s: refused"
+            return False, f"the quorum's members did not say their configs within {ft.timeout_s:g} s: refused"
         time.sleep(0.05)
     ours, lighthouse = json.loads(strategy.agreed), ft.lighthouse or "the lighthouse"
     for member in members:
@@ -62,19 +61,19 @@ def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bo
         if nonce == strategy.nonce:
             continue
         if not group.isdigit() or not 0 <= int(group) < ft.replica_groups:
-            return STRANGER, (
+            return False, (
                 f"a member claiming replica group {group[:20]} came, outside this job's 0 to {ft.replica_groups - 1}:"
                 " refused"
             )
         said = store.get(f"starter/member/{nonce}")
         config = opened(f"{store_addr}|{group}|{nonce}", said)
-        if config is None and int(group) == me:
-            return STRANGER, (
+        if config is None and int(group) == me and joining:
+            return True, (
                 f"replica group {group} at {lighthouse} is another job's (it cannot prove it holds this job's"
                 " STARTER_JOB_TOKEN): give each job its own fault_tolerance.lighthouse_port"
             )
         if config is None:
-            return STRANGER, (
+            return False, (
                 f"replica group {group} came without proof that it holds this job's STARTER_JOB_TOKEN (a stranger,"
                 f" or another job's group at {lighthouse}): refused"
             )
@@ -83,18 +82,18 @@ def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bo
         if int(group) == me:
             if differ and joining:
                 said = _said(ours, theirs, differ, "theirs")
-                return STRANGER, (
+                return True, (
                     f"replica group {group} at {lighthouse} trains another config ({said}): it is another job's;"
                     " give each job its own fault_tolerance.lighthouse_port"
                 )
             if not joining:
-                return WRONG, f"a second replica group {group} came: refused, training on"
-            return WRONG, f"replica group {me} is here already; give each group its own fault_tolerance.replica_group"
+                return False, f"a second replica group {group} came: refused, training on"
+            return True, f"replica group {me} is here already; give each group its own fault_tolerance.replica_group"
         if differ and not joining:
             said = _said(theirs, ours, differ)
-            return WRONG, f"replica group {group} came with another config ({said}): refused, training on"
+            return False, f"replica group {group} came with another config ({said}): refused, training on"
         if differ:
-            return WRONG, (
+            return True, (
                 f"replica group {me} trains another config than replica group {group}:"
                 f" {_said(ours, theirs, differ, f'replica group {group}')}; start every group with the same config, its"
                 " fault_tolerance.replica_group apart"
