@@ -131,13 +131,13 @@ def test_a_lost_replica_group_costs_the_others_a_heartbeat_and_a_returning_one_h
     lighthouse on its port) joins mid-epoch: healed from the survivor (weights, optimizer, step, data position;
     under fsdp each rank's shards from the same rank's), it trains with it; a step its quorum refuses where the
     survivor's commits heals it again (an epoch's last: the survivor crosses the epoch's end, and steps its lr
-    schedule, first). Both end with equal weights, logging at the same steps, and the test accuracy of a 5-epoch
-    run."""
+    schedule, first). Both end with equal weights (one process a group: their averages, which the heal carries),
+    logging at the same steps, and the test accuracy of a 5-epoch run."""
     port, kept = free_port(), 1 - gone
     hosts = request.getfixturevalue("hosts") if lost_by == "host" else None
     group_ = partial(group, hosts=hosts)
     epochs = ["trainer.max_epochs=5", "+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.3"]
-    epochs += inside
+    epochs += inside or ["callbacks.weight_averaging.decay=0.9"]  # an average of the weights, healed with them
     own = [f"hydra.run.dir={tmp_path / f'g{gone}' / 'logs' / 'train' / 'runs' / 'own'}", *again] if again else []
     lost = group_(tmp_path, gone, port, *epochs, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
                   "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10",

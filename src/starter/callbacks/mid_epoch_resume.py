@@ -12,6 +12,8 @@ log = logging.getLogger(__name__)
 
 
 class MidEpochResume(Restored):
+    per_process_state = True  # a torchft heal leaves it: the healed group's processes keep their own
+
     def __init__(self):
         self.world, self.saved_world = 1, None  # this run's number of processes; the checkpoint's, where resumed
 

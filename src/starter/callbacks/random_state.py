@@ -49,6 +49,8 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 class RandomState(Restored):
+    per_process_state = True  # a torchft heal leaves it: the healed group's processes keep their own
+
     def __init__(self, seed: int):
         self.seed, self.saved, self.place = int(seed), None, (("data_parallel", 1, 0),)
 

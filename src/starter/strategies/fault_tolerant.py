@@ -385,6 +385,7 @@ class FaultTolerant:
             "model": _local(self._weights()),  # fsdp: this rank's shards, the healing rank's too
             "optimizer": _local(self.optimizers[0].state_dict()),
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "callbacks": self._callback_states(),
             # where it is; 1 where it is in a step of its training (not joining): a group healing then takes it too
             "position": torch.tensor([trainer.current_epoch, done, trainer.global_step, int(not self.joining)]),
         }
@@ -409,6 +410,7 @@ class FaultTolerant:
             for i, s in saved["state"].items()
         }
         optimizer.load_state_dict(saved)  # its lr applies the step this group heals in
+        self._load_callback_states(state["callbacks"])
         if self.joining:
             for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
                 config.scheduler.load_state_dict(saved)
@@ -416,6 +418,39 @@ class FaultTolerant:
             self.own_groups = own
         *self.healed, self.live_step = [int(v) for v in state["position"]]
         log.info("replica group %d healed from a live group at step %d", self.ft.replica_group, self.healed[2])
+
+    def _carried(self) -> list:
+        """The callbacks whose state a healed group takes from the live one: every one's, but a checkpoint's (files of
+        its group's own) and a state of its process's own (`per_process_state`: random generators, the world)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks = self.lightning_module.trainer.callbacks
+        return [c for c in callbacks if not isinstance(c, ModelCheckpoint) and not getattr(c, "per_process_state", 0)]
+
+    def _callback_states(self) -> dict:
+        """Each carried callback's state_dict by its state key; a weight average's (Lightning's WeightAveraging)
+        averaged weights with it, which its checkpoint hooks keep outside its state_dict."""
+        from lightning.pytorch.callbacks import WeightAveraging
+
+        states = {}
+        for callback in self._carried():
+            state = dict(callback.state_dict())
+            if isinstance(callback, WeightAveraging) and callback._average_model is not None:
+                state["average"] = _local(callback._average_model.state_dict())
+            states[callback.state_key] = state
+        return states
+
+    def _load_callback_states(self, states: dict) -> None:
+        for callback in self._carried():
+            if (state := states.get(callback.state_key)) is None:
+                continue
+            if (average := state.pop("average", None)) is not None:
+                with torch.no_grad():  # in place: the average's tensors are held by its update
+                    for name, tensor in callback._average_model.state_dict().items():
+                        _local(tensor).copy_(average[name])
+                if hasattr(callback, "updates"):  # ours (callbacks/weight_averaging.py): its count read again
+                    callback.updates = None
+            callback.load_state_dict(state)
 
     def _go_to(self, trainer, epoch: int, done: int, step: int, stepped: bool) -> None:
         """The healed group's loops and training data where the live groups' are after the step it joined in."""
