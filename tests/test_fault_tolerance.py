@@ -201,9 +201,10 @@ def test_diloco_syncing_every_step_with_a_plain_outer_step_is_ddp_and_every_thre
 ):
     """DiLoCo (fault_tolerance.sync_every): with H=1, an outer SGD of lr 1 and an inner SGD, the groups' averaged
     pseudo-gradient is the averaged gradient times the lr, so two groups of one process are one process with the same
-    global batch. With H=3, group 1 SIGKILLed at step 10 and started again afresh joins at the survivor's next sync,
-    healed (weights, inner and outer optimizer, the last synced weights, the data position): the run ends on a sync,
-    both groups with equal weights, validating at the same steps."""
+    global batch. With H=5, group 1 SIGKILLed at step 10 and started again from its own last.ckpt (step 7) joins at the
+    survivor's next sync, healed from it (the manager's step counts syncs in both: never the survivor from it),
+    (weights, inner and outer optimizer, the last synced weights, the data position): the run ends on a sync at its
+    last step, 57 (no multiple of 5), both groups with equal weights, validating at the same steps."""
     port, every_step = free_port(), ["fault_tolerance.sync_every=1", *OUTER_SGD]
     procs = [group(tmp_path / "h1", g, port, *MLP_20_STEPS, *every_step) for g in (0, 1)]
     for proc in procs:
@@ -211,26 +212,44 @@ def test_diloco_syncing_every_step_with_a_plain_outer_step_is_ddp_and_every_thre
     weights = [model_weights(run_dir(tmp_path / "h1", g)) for g in (0, 1)]
     assert max_difference(weights[0], weights[1]) == 0 and max_difference(weights[0], reference_weights) < 1e-5
 
-    port, every_3 = free_port(), ["fault_tolerance.sync_every=3", "trainer.max_epochs=3"]
-    every_3 += ["+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.5"]
-    lost = group(tmp_path, 1, port, *every_3, f"+callbacks.slow.output={tmp_path / 'lost'}",
+    port, every_5 = free_port(), ["fault_tolerance.sync_every=5", "trainer.max_epochs=3"]
+    every_5 += ["+callbacks.slow._target_=probes.SlowWhileAlone", "+callbacks.slow.seconds=0.5"]
+    own = [f"hydra.run.dir={tmp_path / 'g1' / 'logs' / 'train' / 'runs' / 'own'}", "checkpoint_every_n_steps=7"]
+    lost = group(tmp_path, 1, port, *every_5, *own, f"+callbacks.slow.output={tmp_path / 'lost'}",
                  "+callbacks.kill._target_=probes.KilledAtStep", "+callbacks.kill.step=10")  # fmt: skip
-    survivor = group(tmp_path, 0, port, *every_3, f"+callbacks.slow.output={tmp_path / 'kept'}")
+    survivor = group(tmp_path, 0, port, *every_5, f"+callbacks.slow.output={tmp_path / 'kept'}")
     lost.communicate(timeout=300)
     assert lost.returncode == -9
     time.sleep(HEARTBEAT_S)
-    back = group(tmp_path, 1, port, *every_3, f"+callbacks.slow.output={tmp_path / 'back'}")
+    back = group(tmp_path, 1, port, *every_5, *own, "ckpt_path=auto", f"+callbacks.slow.output={tmp_path / 'back'}")
     said, said_back = finished(survivor), finished(back)
     steps = [int(line.split()[0]) for line in (tmp_path / "kept").read_text().splitlines()]
-    assert steps == list(range(1, 58))  # never restarted
+    assert steps == list(range(1, 58))  # never restarted, nor sent back
     first = int((tmp_path / "back").read_text().split()[0])
-    assert first > 11 and (first - 1) % 3 == 0  # it began after a sync of the survivor's
+    assert first > 11 and (first - 1) % 5 == 0  # it began after a sync of the survivor's
     assert "replica group 1 lost: training on with 1 of 2" in said and "replica group 1 joined" in said
     runs = [run_dir(tmp_path, 0), run_dir(tmp_path, 1)]
     assert max_difference(*(model_weights(r) for r in runs)) == 0
     ends = validated_steps(runs[1])
     assert set(ends) <= set(validated_steps(runs[0])) and ends[-1] == validated_steps(runs[0])[-1], ends
     assert "Traceback" not in said + said_back
+
+
+def test_a_stop_during_a_diloco_sync_saves_the_step_once(tmp_path):
+    # H=5; group 1 slow, so group 0 waits at each sync; SIGTERM to group 0 after step 9: it stops at step 10, whose
+    # sync it waits in. last.ckpt holds step 10 with AdamW's 10 steps: a resume trains from batch 11.
+    port = free_port()
+    every_5 = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=4", "fault_tolerance.sync_every=5"]
+    slow = ["+callbacks.slow._target_=probes.SlowSteps", "+callbacks.slow.seconds=0.4"]
+    slow = group(tmp_path, 1, port, *every_5, *slow, f"+callbacks.slow.output={tmp_path / 'steps1'}")
+    stop = ["+callbacks.stop._target_=probes.SigtermAtStep", "+callbacks.stop.step=9"]
+    stopped = group(tmp_path, 0, port, *every_5, *stop)
+    _, err = stopped.communicate(timeout=300)
+    assert stopped.returncode == 143, err[-3000:]
+    saved = torch.load(run_dir(tmp_path, 0) / "checkpoints" / "last.ckpt", weights_only=True)
+    adam_steps = {int(state["step"]) for state in saved["optimizer_states"][0]["state"].values()}
+    assert saved["global_step"] == 10 and adam_steps == {10}, (saved["global_step"], adam_steps)
+    finished(slow)
 
 
 @pytest.mark.parametrize("done", [3, 4])

@@ -109,13 +109,19 @@ class FaultTolerant:
         if not self.lightning_module.automatic_optimization or len(self.optimizers) != 1:
             raise UserError("fault_tolerance=torchft trains a module with one optimizer and automatic optimization")
         self.parameters_by_name = dict(self.lightning_module.named_parameters())  # fsdp's shards, outside forward
-        self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})  # a resumed run's
+        # the manager's step, one meaning in every group: the steps committed, or under DiLoCo the syncs (a group
+        # that comes back from its checkpoint is behind the live ones, never ahead: it heals from them)
+        every = self.ft.get("sync_every") or 1
+        self.manager.load_state_dict({"step": trainer.global_step // every, "batches_committed": 0})
         self.healed, self.behind, self.joining = None, 0, True
         optimizer, since, self.refused = self.optimizers[0], time.monotonic(), 0
         if self.ft.get("sync_every"):
-            from starter.strategies.outer_sync import OuterSync
+            from starter.strategies.outer_sync import OuterSync, SyncAfterStep
 
             self.outer = OuterSync(self.manager, self.lightning_module, optimizer, self.ft)
+            self.last_step = trainer.estimated_stepping_batches  # the training's last step: a sync there too
+            if not any(isinstance(c, SyncAfterStep) for c in trainer.callbacks):  # first: before an average's update
+                trainer.callbacks.insert(0, SyncAfterStep(self))
             if trainer.ckpt_path:
                 log.warning("resumed under DiLoCo: the outer optimizer starts again from this checkpoint's weights")
         while True:  # until every group is in, join_timeout_s passed, or the live groups' step was taken
@@ -145,7 +151,7 @@ class FaultTolerant:
             optimizer.step()
         optimizer.zero_grad()
         if self.healed is not None:
-            if stepped:
+            if stepped and self.outer is None:  # DiLoCo's live groups sync after their schedulers stepped
                 self._schedule_after(trainer, *self.healed)
             self._go_to(trainer, *self.healed, stepped)
             self.healed = None
@@ -175,8 +181,8 @@ class FaultTolerant:
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         trainer = self.lightning_module.trainer
-        if self.outer is not None:
-            return self._local_step(optimizer, closure, model, **kwargs)
+        if self.outer is not None:  # DiLoCo: the step as Lightning makes it (the groups sync after it: sync_if_due)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.behind:  # healed mid-run: the live groups trained this many more batches; these are not applied
             self.behind -= 1
             return closure()
@@ -201,25 +207,26 @@ class FaultTolerant:
             group.update(own)
         return output
 
-    def _local_step(self, optimizer, closure, model, **kwargs):
-        """DiLoCo: the step as Lightning makes it, then, every sync_every steps, the groups' sync. A group healed in
-        one (its last sync refused where the others' committed) trained as many steps as they did: only its lr stays
-        its own."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not self.outer.due():
-            return output
+    def sync_if_due(self) -> None:
+        """DiLoCo, once Lightning has counted a step (its schedulers stepped, its batch not yet done): the groups' sync
+        where the global step is a multiple of sync_every, or the training's last (every group's model.pt is the
+        synced weights). A stop during it saves that step once: a resume trains on from the next batch. A group healed
+        in one (its last sync refused where the others' committed) trained as many steps as they did: only its lr
+        stays its own."""
+        trainer = self.lightning_module.trainer
+        if not self.outer.due(trainer.global_step, self.last_step):
+            return
         if not self._sync():
             log.warning(
                 "replica group %d: the quorum did not commit the sync at step %d; every group back at the last"
                 " synced weights, training on",
                 self.ft.replica_group,
-                self.lightning_module.trainer.global_step + 1,
+                trainer.global_step,
             )
         elif self.healed is not None:
             self.healed = None
-            for group, own in zip(optimizer.param_groups, self.own_groups):
+            for group, own in zip(self.optimizers[0].param_groups, self.own_groups):
                 group.update(own)
-        return output
 
     def _sync(self) -> bool:
         """A DiLoCo sync (outer_sync.py), waited on as torchft's other waits are; whether the quorum committed it. A
@@ -381,13 +388,14 @@ class FaultTolerant:
         batches done in this epoch: all of them (a run resumed at an epoch's end) are none of the next."""
         trainer = self.lightning_module.trainer
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed % max(trainer.num_training_batches, 1)
+        step = trainer.global_step - (self.outer is not None and not self.joining)  # DiLoCo's: after Lightning counted
         return {
             "model": _local(self._weights()),  # fsdp: this rank's shards, the healing rank's too
             "optimizer": _local(self.optimizers[0].state_dict()),
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "callbacks": self._callback_states(),
             # where it is; 1 where it is in a step of its training (not joining): a group healing then takes it too
-            "position": torch.tensor([trainer.current_epoch, done, trainer.global_step, int(not self.joining)]),
+            "position": torch.tensor([trainer.current_epoch, done, step, int(not self.joining)]),
         }
 
     def _weights(self) -> dict:

@@ -7,6 +7,7 @@ does not commit leaves every group at the last synced weights: the H steps since
 
 from collections.abc import Callable
 
+import lightning as L
 from torch import nn
 
 
@@ -19,12 +20,12 @@ class OuterSync:
         diloco = DiLoCo(manager, [module], optimizer, outer, sync_every=ft.sync_every, pin_memory=False)
         # one fragment, the whole module; DiLoCo's optimizer hooks are not entered: fault_tolerant.py runs each sync
         # where it waits on torchft (a stop signal acted on meanwhile), and checks the groups' configs before it sends
-        self.fragment, self.manager, self.every, self.steps = diloco._fragments[0], manager, ft.sync_every, 0
+        self.fragment, self.manager, self.every = diloco._fragments[0], manager, ft.sync_every
 
-    def due(self) -> bool:
-        """After an inner step: whether the groups meet now (every group counts the same steps from its join)."""
-        self.steps += 1
-        return self.steps % self.every == 0
+    def due(self, step: int, last: float) -> bool:
+        """Whether the groups meet after global step `step`: every sync_every steps of the run (a resumed or joining
+        group where the uninterrupted run would), and at the training's `last` step."""
+        return step % self.every == 0 or step >= last
 
     def sync(self, agreed: Callable[[], bool]) -> bool | None:
         """A quorum (a group behind heals in it: weights, both optimizers, the last synced weights), the
@@ -35,3 +36,13 @@ class OuterSync:
             return None
         self.fragment.prepare_sync()
         return self.fragment.perform_sync()
+
+
+class SyncAfterStep(L.Callback):
+    """The first callback at each batch's end: the groups' sync where it is due (FaultTolerant.sync_if_due)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def on_train_batch_end(self, *args) -> None:
+        self.strategy.sync_if_due()
