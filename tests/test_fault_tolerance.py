@@ -310,6 +310,10 @@ def test_a_stranger_speaking_torchft_is_refused_before_any_collective_never_heal
              for g in (0, 1)]  # fmt: skip
     while not (tmp_path / "steps1").exists():  # both groups train
         time.sleep(0.2)
+    (lighthouse,) = [
+        int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _runs(p, f"lighthouse {port}")
+    ]
+    assert os.getsid(lighthouse) == lighthouse  # a session of its own: killing group 0's session or group spares it
     stranger = subprocess.run(
         [sys.executable, str(ROOT / "tests/foreign/stranger_group.py"), f"http://localhost:{port}", "6"],
         env=with_env(), capture_output=True, text=True, timeout=120,
@@ -325,6 +329,13 @@ def test_a_stranger_speaking_torchft_is_refused_before_any_collective_never_heal
     weights = [model_weights(run_dir(tmp_path, g)) for g in (0, 1)]
     assert max_difference(*weights) == 0.0 and all(w.abs().sum() > 0 for w in weights[0].values())
     assert all((tmp_path / f"steps{g}").read_text().count("\n") == 4 * 19 for g in (0, 1))
+
+
+def _runs(proc: Path, command: str) -> bool:
+    try:
+        return command in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
 
 
 CONFIG = {"model.optimizer.lr": 0.002, "fault_tolerance.replica_groups": 2, "model.net.width": 256,

@@ -5,9 +5,10 @@ Each replica group is a run of its own (its own train.py, ranks, run directory, 
 step, torchft's Manager asks the lighthouse for a quorum of the live groups, averages the gradients over them through a
 process group that shrinks when a group is lost and grows when one comes back, and the optimizer steps only where the
 quorum commits; a step it does not commit is redone on the same batch. A group that starts late, or comes back, joins
-before its first batch: it heals from a live group (weights, optimizer, schedulers, step and the data position, sent
-weights-only), applies the step it joined in, and trains on. The data is split across groups and ranks as one ddp run
-of every group's processes would split it, so with every group live the run is that ddp run.
+before its first batch: it heals from a live group (weights, optimizer, schedulers, callbacks' states such as a weight
+average, step and the data position, sent with the job token's proof, read weights-only), applies the step it joined
+in, and trains on. The data is split across groups and ranks as one ddp run of every group's processes would split it,
+so with every group live the run is that ddp run. Only the job's groups take part (replica_agreement.py).
 """
 
 import concurrent.futures
