@@ -296,6 +296,7 @@ def test_a_group_joining_with_a_wider_net_is_refused_in_one_line_before_any_coll
     out = finished(survivor)
     assert "replica group 1 came with another config (model.net.width=64 (here: 256)): refused, training on" in out, out
     assert "Traceback" not in out and (tmp_path / "steps0").read_text().count("\n") == 12 * 19
+    assert "STARTER_JOB_TOKEN is not set: anyone who reaches this job's ports can end it" in out  # given none
 
 
 def test_a_stranger_speaking_torchft_is_refused_before_any_collective_never_healed_from_and_the_groups_train_on(
@@ -326,6 +327,7 @@ def test_a_stranger_speaking_torchft_is_refused_before_any_collective_never_heal
     said = [finished(proc) for proc in procs]
     assert all("a member claiming replica group 2 came, outside this job's 0 to 1: refused" in s for s in said), said
     assert not any("at step 1000000" in s for s in said), said  # never healed from the stranger
+    assert not any("STARTER_JOB_TOKEN is not set" in s for s in said)
     weights = [model_weights(run_dir(tmp_path, g)) for g in (0, 1)]
     assert max_difference(*weights) == 0.0 and all(w.abs().sum() > 0 for w in weights[0].values())
     assert all((tmp_path / f"steps{g}").read_text().count("\n") == 4 * 19 for g in (0, 1))
@@ -496,9 +498,10 @@ def replica_group(seed):  # a tied net (an output layer sharing its embedding's 
     batches = SimpleNamespace(current=SimpleNamespace(completed=2))
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=batches))
     trainer = SimpleNamespace(current_epoch=1, global_step=7, num_training_batches=5, lr_scheduler_configs=[],
-                              fit_loop=loop)
+                              fit_loop=loop, callbacks=[])
     group.lightning_module = SimpleNamespace(trainer=trainer, named_buffers=net.named_buffers)
     group.optimizers, group.joining, group.ft = [optimizer], True, SimpleNamespace(replica_group=seed)
+    group.outer = None
     group.parameters_by_name = dict(net.named_parameters())
     return group, net, optimizer
 

@@ -103,6 +103,9 @@ def test_strangers_on_the_runs_ports_and_store_change_nothing_and_a_sigkilled_wo
     proc = start(tmp_path, "strategy=ddp", "devices=2", "trainer.max_epochs=1000", *QUIET)
     wait_for_checkpoint(tmp_path, proc, epochs=1)
     rank_0 = worker_of_rank(proc, 0)
+    environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{rank_0}/environ").read_bytes().split(b"\0") if b"=" in v)
+    token = environ[b"STARTER_JOB_TOKEN"]  # made by train.py for the job's processes, this host's alone
+    assert len(token) == 32 and b"STARTER_JOB_TOKEN" not in Path(f"/proc/{proc.pid}/environ").read_bytes()
     ours = listening(proc.pid) + listening(rank_0)  # the run's store (train.py's), rank 0's lifeline, gloo's
     assert {address for address, _ in ours} == {"127.0.0.1"}, ours  # where the peers reach them, nowhere else
     ports = [port for _, port in ours]
@@ -130,6 +133,8 @@ def test_strangers_on_the_runs_ports_and_store_change_nothing_and_a_sigkilled_wo
     assert error_lines(proc) == ["error: rank 1 (node 0) was killed by SIGKILL (out of memory?); every process of the"
                                  " run stops"]  # fmt: skip
     assert gone(rank_0)
+    written = [path for path in tmp_path.rglob("*") if path.is_file() and token in path.read_bytes()]
+    assert written == []  # the token is in no file (config.yaml, the logs, the checkpoints)
 
 
 def listening_only(pid: int) -> list[int]:

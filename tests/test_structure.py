@@ -25,6 +25,7 @@ LAYERS = [
         "fork_server_exit",
         "run_store",
         "process_state",
+        "job_token",
     },
     {
         "topology",
