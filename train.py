@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from starter.config_choices import check_choices
+from starter.config_choices import NoSuchOption, check_choices
 from starter.errors import end_without_teardown
 from starter.run_name import run_name
 
@@ -31,6 +31,12 @@ if __name__ == "__main__":
         from starter.main import usage
 
         raise SystemExit(print(usage(Path(__file__).parent / "conf")))
-    check_choices(Path(__file__).parent / "conf", "train", sys.argv[1:])
+    try:
+        check_choices(Path(__file__).parent / "conf", "train", sys.argv[1:])
+    except NoSuchOption as refused:  # said here; on several nodes, told to the others too
+        from starter.launch.nodes import tell_the_other_nodes_before_composing
+
+        tell_the_other_nodes_before_composing(refused.line, sys.argv[1:])
+        raise
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main, interrupted_hint="; to continue from the newest checkpoint saved: ckpt_path=last")

@@ -624,6 +624,15 @@ def node_1_without_the_data(tmp_path: Path, *data: str) -> tuple[list[int], list
     return exits(nodes)
 
 
+def test_a_config_option_that_does_not_exist_on_node_0_is_said_on_node_1_too(tmp_path):
+    # refused before Hydra composes anything (config_choices), as Hydra's own errors would be, then told to node 1
+    port = free_port()
+    nodes = [start_node(tmp_path, n, port, "debug=limit", *([] if n else ["model=nope"])) for n in (0, 1)]
+    codes, ended, lines = exits(nodes, timeout=60)
+    said = "error: model=nope: no such option; choose one of cnn, mlp"
+    assert codes == [2, 2] and lines[0].startswith(said) and lines[1].startswith("error: node 0: model=nope"), lines
+
+
 def test_nodes_started_with_other_configs_are_told_so_in_one_line_within_seconds(tmp_path):
     port = free_port()
     nodes = [start_node(tmp_path, n, port, "debug=limit", *(["model.net.width=64"] if n else [])) for n in (0, 1)]

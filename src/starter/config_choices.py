@@ -11,8 +11,17 @@ from omegaconf import OmegaConf
 from starter.errors import USER_ERROR_EXIT_CODE
 
 
+class NoSuchOption(SystemExit):
+    """Exit 2, its line said on stderr; `line` for those who tell it on (launch/nodes.py: the other nodes)."""
+
+    def __init__(self, line: str):
+        print(f"error: {line}", file=sys.stderr)
+        super().__init__(USER_ERROR_EXIT_CODE)
+        self.line = line
+
+
 def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
-    """Exit 2 with one line on stderr where an override names an option that no config folder holds."""
+    """Exit 2 with one line on stderr (NoSuchOption) where an override names an option that no config folder holds."""
     from hydra._internal.utils import get_args_parser  # Hydra's own reading of the command line (hydra-core < 1.4)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -37,8 +46,7 @@ def check_choices(conf: Path, config_name: str, argv: list[str]) -> None:
             ):
                 options = sorted({p.stem for f in folders if (f / group).is_dir() for p in (f / group).glob("*.yaml")})
                 given = "null" if option is None else option
-                print(f"error: {group}={given}: no such option; choose one of {', '.join(options)}", file=sys.stderr)
-                raise SystemExit(USER_ERROR_EXIT_CODE)
+                raise NoSuchOption(f"{group}={given}: no such option; choose one of {', '.join(options)}")
 
 
 def config_folders(conf: Path, config_name: str, config_dir: str | None, overrides) -> list:

@@ -82,7 +82,8 @@ def main(cfg: DictConfig, prepare: Callable[[DictConfig], Plan] = prepare_traini
 
             code, line = _ending(err)
             linger = linger_s(cfg.heartbeat_timeout_s)
-            tell_the_other_nodes(nodes_run_id(), code, line, float(cfg.nodes_wait_s), linger, say=user_error)
+            nodes, wait_s = nodes_given(cfg.num_nodes), float(cfg.nodes_wait_s)
+            tell_the_other_nodes(nodes_run_id(), code, line, wait_s, linger, say=user_error, nodes=nodes)
         elif user_error:
             to_stderr(f"error: {one_line(err)}")
             if plan is None and process_rank() == 0:

@@ -4,12 +4,14 @@ nodes' store (nodes.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a req
 `ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
+import time
 from datetime import datetime
 from functools import cache
 
 from starter.errors import WorkerFailed, to_stderr
 from starter.launch.environment import slurm_tasks
-from starter.topology import node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
+from starter.run_failure import failure
+from starter.topology import key_prefix, node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
 KEY = "starter/run_name"
 NO_ID = (
@@ -58,12 +60,21 @@ def run_name(num_nodes: int = 1, nodes_wait_s: float = 300.0) -> str:
         except WorkerFailed as err:  # node 0 never served the store: said here, not as a resolver's traceback
             to_stderr(f"error: {err.message}")
             raise SystemExit(err.exit_code) from None
-        return _share(store, KEY, stamp, first=node_zero)
+        return _share(
+            store, KEY, stamp, first=node_zero, failed=key_prefix(f"{os.environ.get('SLURM_JOB_ID', 'nodes')}-0")
+        )
     return stamp  # anything missing for several nodes is reported in one line by preflight.prepare
 
 
-def _share(store, key: str, stamp: str, first: bool) -> str:
-    """`first` writes its stamp (a torchrun restart keeps its first attempt's); every process reads it."""
+def _share(store, key: str, stamp: str, first: bool, failed: str | None = None) -> str:
+    """`first` writes its stamp (a torchrun restart keeps its first attempt's); every process reads it. `failed`: the
+    key prefix where node 0, failing before it named the run (a config error), says why: said here too, and exit."""
     if first:
         store.compare_set(key, "", stamp)
+    while failed and not store.check([key]):
+        if found := failure(store, failed):
+            store.set(f"{failed}/failed/read/{node_rank()}", "")  # node 0 stays until each node has read it
+            to_stderr(f"error: {found[1]}")
+            raise SystemExit(found[0])
+        time.sleep(0.2)
     return store.get(key).decode()  # waits for the first
