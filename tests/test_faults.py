@@ -735,9 +735,9 @@ def test_a_whole_node_lost_is_named_in_one_line_by_the_other_which_exits_124(fau
             os.killpg(procs[lost].pid, signal.SIGCONT)
             continued = exits([procs[lost]], timeout=60)
     named = "|".join(f"rank {rank} \\(node {lost}\\)" for rank in range(lost * devices, (lost + 1) * devices))
-    said = "is gone: its connection closed (killed, or its node lost)" if fault != "SIGSTOP" else (
-        "has not answered for 4 s (killed, stopped, or its node lost)")  # fmt: skip
-    line = rf"error: ({named}) {re.escape(said)}; every process of the run stops"  # any of its ranks, found first
+    said = re.escape("is gone: its connection closed (killed, or its node lost)") if fault != "SIGSTOP" else (
+        r"has not answered for [4-9] s \(killed, stopped, or its node lost\)")  # the bound, 4 s, measured  # fmt: skip
+    line = rf"error: ({named}) {said}; every process of the run stops"  # any of its ranks, found first
     assert codes == [124] and len(lines) == 1 and re.fullmatch(line, lines[0]), (codes, lines)
     if fault == "SIGSTOP":  # not the store's holder blamed, by each of its processes, for its own node's stop
         said = r"error: rank [23] \(node 1\) did not run for \d+ s \(stopped, or starved\); the run's store is gone"
@@ -761,12 +761,12 @@ def test_a_lost_srun_task_ends_the_run_within_the_heartbeat_timeout_with_a_line_
         os.kill(procs[1].pid, signal.Signals[fault])
         codes, _, lines = exits(procs, timeout=60)
     # the stopped rank killed by rank 0's watchdog (a SIGKILLed one: killed); found by how it is lost, as above
-    said = "error: rank 1 (node 0) " + (
-        "has not answered for 6 s (killed, stopped, or its node lost)"
+    said = r"error: rank 1 \(node 0\) " + (
+        r"has not answered for ([6-9]|1[0-5]) s \(killed, stopped, or its node lost\)"  # the bound, 6 s, measured
         if fault == "SIGSTOP"
-        else "is gone: its connection closed (killed, or its node lost)"
+        else re.escape("is gone: its connection closed (killed, or its node lost)")
     )
-    assert codes == [124, -9] and lines == [f"{said}; every process of the run stops"], (codes, lines)
+    assert codes == [124, -9] and len(lines) == 1 and re.fullmatch(f"{said}; every process of the run stops", lines[0])
 
 
 def test_a_rank_whose_loader_waits_forever_ends_the_run_within_the_stall_timeout_with_a_line_naming_it(tmp_path):

@@ -171,8 +171,9 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
     seconds = time.monotonic() - stopped_at
     assert proc.returncode == 1 and seconds < 6 + 14, (proc.returncode, seconds, err[-3000:])
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert lines == ["error: rank 1 (node 0) has not answered for 6 s (killed, stopped, or its node lost); every"
-                     " process of the run stops"]  # fmt: skip
+    said = r"error: rank 1 \(node 0\) has not answered for (\d+) s \(killed, stopped, or its node lost\); every"
+    said += " process of the run stops"  # the silence measured: the bound, 6 s, and at most a beat more
+    assert len(lines) == 1 and (found := re.fullmatch(said, lines[0])) and 6 <= int(found[1]) <= 15, lines
     # torchrun's summary names the watchdog's work: rank 1 killed, or rank 0's exit 124, whichever its agent saw first
     killed, left = r"rank +: 1 \(local_rank: 1\)\n +exitcode +: -9 ", r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 124"
     assert re.search(f"{killed}|{left}", err), err[-3000:]
