@@ -34,9 +34,9 @@ if __name__ == "__main__":
     try:
         check_choices(Path(__file__).parent / "conf", "train", sys.argv[1:])
     except NoSuchOption as refused:  # said here; on several nodes, told to the others too
-        from starter.launch.nodes import tell_the_other_nodes_before_composing
+        from starter.main import tell_the_nodes_an_option_refused
 
-        tell_the_other_nodes_before_composing(refused.line, sys.argv[1:])
+        tell_the_nodes_an_option_refused(refused.line, sys.argv[1:])
         raise
     OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)
     end_without_teardown(main, interrupted_hint="; to continue from the newest checkpoint saved: ckpt_path=last")

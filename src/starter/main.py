@@ -109,6 +109,21 @@ def guard_the_job(cfg: DictConfig, plan: Plan) -> None:
         job_token.make_for_this_host()
 
 
+def tell_the_nodes_an_option_refused(line: str, argv: list[str]) -> None:
+    """A config option that does not exist (config_choices, before Hydra composes), on a node of several (`num_nodes=N`
+    on its command line): told to the others as any config error is; they say it and exit 2."""
+    from starter.launch.nodes import tell_the_other_nodes
+    from starter.launch.watchdog import linger_s
+
+    given = dict(arg.split("=", 1) for arg in argv if "=" in arg and arg[:1].isalpha())
+    nodes, wait = given.get("num_nodes", "1"), given.get("nodes_wait_s", "300")
+    if nodes.isdigit() and int(nodes) > 1:
+        wait_s = float(wait) if wait.replace(".", "", 1).isdigit() else 300.0
+        run_id = f"{os.environ.get('SLURM_JOB_ID', 'nodes')}-0"  # nodes_run_id's, out of a sweep
+        said = f"node {node_rank()}: {line}"
+        tell_the_other_nodes(run_id, USER_ERROR_EXIT_CODE, said, wait_s, linger_s(120.0), nodes=int(nodes))
+
+
 def gloo_reaches_the_nodes() -> None:
     """Nodes on other hosts (MASTER_ADDR not loopback): gloo bound where they reach this one, not to the loopback
     address this host's name may resolve to (host_address.choose_gloo_device)."""

@@ -57,14 +57,11 @@ def node_store():
     return _node_store
 
 
-def tell_the_other_nodes(
-    run_id: str, code: int, line: str, wait_s: float, linger_s: float, say: bool = False, nodes: int = 2
-) -> None:
+def tell_the_other_nodes(run_id: str, code: int, line: str, wait_s: float, linger_s: float, say=False, nodes=2) -> None:
     """Writes this node's failure in the run's store (and prints `line` if `say`), where the other nodes' jobs and
     workers read it: they leave with `code`, saying it. A node that failed before it joined the others joins to tell
-    them (within `wait_s`); node 0's job serves the store, and keeps it until the `nodes` have come to the meeting
-    (within `wait_s`: a node 0 that failed as it started is not gone before the others come), then `linger_s` for
-    them to read it."""
+    them (within `wait_s`); node 0's job serves the store until the `nodes` have come (within `wait_s`), then
+    `linger_s` for them to read it."""
     node, address, port = node_rank(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     store = node_store()
     if store is None and address and port:
@@ -81,20 +78,6 @@ def tell_the_other_nodes(
         ):
             time.sleep(0.2)
         time.sleep(linger_s)
-
-
-def tell_the_other_nodes_before_composing(line: str, argv: list[str]) -> None:
-    """A config error found before Hydra composes the config (config_choices: an option no folder holds), on a node of
-    several (`num_nodes=N` on its command line): told to the others as any config error is; they say it and exit 2."""
-    from starter.launch.watchdog import linger_s
-
-    given = dict(arg.split("=", 1) for arg in argv if "=" in arg and arg[:1].isalpha())
-    nodes, wait = given.get("num_nodes", "1"), given.get("nodes_wait_s", "300")
-    if nodes.isdigit() and int(nodes) > 1:
-        wait_s = float(wait) if wait.replace(".", "", 1).isdigit() else 300.0
-        run_id = f"{os.environ.get('SLURM_JOB_ID', 'nodes')}-0"  # as main.nodes_run_id, out of a sweep
-        said = f"node {node_rank()}: {line}"
-        tell_the_other_nodes(run_id, USER_ERROR_EXIT_CODE, said, wait_s, linger_s(120.0), nodes=int(nodes))
 
 
 def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float, config: str) -> None:

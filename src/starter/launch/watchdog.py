@@ -48,22 +48,10 @@ def where(rank: int, ranks_per_node: int) -> str:
 
 
 class Watchdog:
-    def __init__(
-        self,
-        address: str,
-        port: int,
-        rank: int,
-        world: int,
-        ranks_per_node: int,
-        timeout_s: float,
-        stall_timeout_s: float,
-        store_holder: str,
-        serves_store: bool = False,
-        launcher_pid: int | None = None,
-        stop_signal: int = signal.SIGTERM,
-        parent: str | None = "train.py",
-        stop_grace_s: float = 90.0,
-    ):
+    def __init__(self, address: str, port: int, rank: int, world: int, ranks_per_node: int, timeout_s: float,
+                 stall_timeout_s: float, store_holder: str, serves_store: bool = False,
+                 launcher_pid: int | None = None, stop_signal: int = signal.SIGTERM, parent: str | None = "train.py",
+                 stop_grace_s: float = 90.0):  # fmt: skip
         """`store_holder`: who serves the store (named when it stops answering). `launcher_pid`: the process that
         started this one (`parent`: train.py, whose agent did, or torchrun's agent), which it outlives only to save
         and stop (`stop_signal`, within `stop_grace_s`); where it is not train.py, the watchdog that names a stopped
@@ -315,19 +303,10 @@ def watch_external_ranks(launcher: str, ranks_per_node: int, timeout_s: float, s
     rank, world, address, port, served = store(max(timeout_s, STARTUP_S))  # rank 0 may start slower
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    watchdog = Watchdog(
-        address,
-        port,
-        rank,
-        world,
-        ranks_per_node,
-        timeout_s,
-        stall_timeout_s,
-        store_holder="rank 0 (node 0)",
-        serves_store=served is not None,
-        launcher_pid=os.getppid() if launcher == "torchrun" else None,  # its node's agent: it stops if that is gone
-        parent="torchrun's agent" if launcher == "torchrun" else None,
-    )
+    torchrun = launcher == "torchrun"  # its node's agent is the launcher: the rank stops if that is gone
+    watchdog = Watchdog(address, port, rank, world, ranks_per_node, timeout_s, stall_timeout_s, "rank 0 (node 0)",
+                        serves_store=served is not None, launcher_pid=os.getppid() if torchrun else None,
+                        parent="torchrun's agent" if torchrun else None)  # fmt: skip
     watchdog.served = served  # held for as long as this process runs
     return watchdog
 
