@@ -265,5 +265,21 @@ def test_a_full_disk_is_one_line_naming_the_file_and_what_was_saved_resumes(mode
     assert checkpoint_epoch(last) == 5 > saved and "test/acc" in resumed.stdout
 
 
+def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
+    # `ulimit -f 200` (200 KB): each checkpoint is about 1 MB, the disk has room; Python ignores SIGXFSZ, so the
+    # write fails (EFBIG, which torch's zip writer swallows: its bytes found lost)
+    import resource
+
+    limit = 200 * 1024
+    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", "debug=limit",
+               "trainer.max_epochs=1", *on_cpu([])]  # fmt: skip
+    proc = subprocess.run(command, cwd=tmp_path, env=with_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))]
+    said = f"error: the file size limit (ulimit -f: {limit} bytes) was reached writing {tmp_path / 'logs'}"
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(said), (proc.returncode, lines)
+    assert lines[0].endswith("raise it (ulimit -f unlimited) and resume with ckpt_path=auto")
+
+
 def checkpoint_epoch(path: Path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["epoch"]

@@ -39,17 +39,38 @@ def room_for(path):
     except BaseException as err:  # torch's CheckpointException is one
         if not out_of_room(err):
             raise
+        if limit := size_limit(path):
+            raise UserError(
+                f"the file size limit (ulimit -f: {limit} bytes) was reached writing {path}; what was saved before is"
+                " whole: raise it (ulimit -f unlimited) and resume with ckpt_path=auto"
+            ) from None
         raise UserError(
             f"no space left on device writing {path}; what was saved before is whole: make room and resume with"
             " ckpt_path=auto"
         ) from None
 
 
+def size_limit(path: Path) -> int | None:
+    """This process's file size limit (RLIMIT_FSIZE, `ulimit -f`) where it, not the disk, stopped a write to `path`:
+    the disk beside it has more room than the limit. Python ignores the signal it sends, so the write fails EFBIG
+    (or torch's zip writer finds its bytes lost)."""
+    import resource
+    import shutil
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        return limit if shutil.disk_usage(Path(path).parent).free > limit else None
+    except OSError:
+        return limit
+
+
 def out_of_room(err: BaseException | None) -> bool:
     """Whether `err` (or what it was raised from: torch's writer says a RuntimeError after the OSError; a sharded
-    save, each rank's failure) is ENOSPC or EDQUOT, or torch's zip writer finding bytes it wrote lost (a buffered
+    save, each rank's failure) is ENOSPC, EDQUOT or EFBIG, or torch's zip writer finding bytes it wrote lost (a buffered
     write to a full disk: "unexpected pos", the OSError swallowed)."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return True
     if isinstance(err, RuntimeError) and "inline_container" in str(err) and "unexpected pos" in str(err):
         return True
