@@ -332,3 +332,21 @@ def test_train_false_without_weights_to_test_is_one_line_before_the_run(override
     (tmp_path / "x.pt").touch()
     proc = train(tmp_path, *overrides, expect_ok=False)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}") and proc.stderr.count("\n") == 1
+
+
+def test_a_truncated_checkpoint_is_one_line_naming_the_whole_ones_beside_it(default_run, tmp_path):
+    import shutil
+
+    _, run_dir, _ = default_run
+    saved = shutil.copytree(run_dir / "checkpoints", tmp_path / "copied")
+    last = saved / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a copy cut short
+    proc = train(tmp_path / "resumed", f"ckpt_path={last}", "trainer.max_epochs=21", expect_ok=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))]
+    said = (
+        f"error: ckpt_path={last} is not a readable Lightning checkpoint (RuntimeError: PytorchStreamReader failed"
+        " reading zip archive: failed finding central directory); whole beside it:"
+        f" ckpt_path={saved / 'best.ckpt'} resumes from best.ckpt, init_from={saved / 'model.pt'} starts afresh from"
+        " its weights"
+    )
+    assert proc.returncode == 2 and lines == [said], lines

@@ -127,7 +127,9 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
     except UserError:
         raise
     except Exception as err:
-        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint: {first_line(err)}") from err
+        said = first_line(err).split(". ")[0]  # torch's runs on for five sentences
+        beside = whole_beside(path)
+        raise UserError(f"ckpt_path={path} is not a readable Lightning checkpoint ({said}){beside}") from err
     if mismatch := weights_mismatch(model.state_dict(), saved):
         run = saved_config(path)
         theirs = leaves(OmegaConf.to_container(run.model)) if run and "model" in run else {}
@@ -138,6 +140,17 @@ def check_checkpoint_fits(model, path: Path, model_cfg: DictConfig) -> None:
             f"ckpt_path={path} holds weights of a different model ({mismatch}); use the model config of"
             f" the run that saved it{': ' + differ if differ else ''}"
         )
+
+
+def whole_beside(path: Path) -> str:
+    """What a line about an unreadable checkpoint adds: the whole ones beside it, and how to start from each."""
+    import zipfile
+
+    others = sorted(p for p in path.parent.glob("*.ckpt") if p != path and p.is_file() and zipfile.is_zipfile(p))
+    weights = path.parent / "model.pt"
+    said = [f"ckpt_path={p} resumes from {p.name}" for p in others]
+    said += [f"init_from={weights} starts afresh from its weights"] if zipfile.is_zipfile(weights) else []
+    return f"; whole beside it: {', '.join(said)}" if said else "; nothing whole beside it"
 
 
 def weights_mismatch(expected: dict, found: dict) -> str | None:
