@@ -4,6 +4,7 @@ import csv
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,20 +248,32 @@ def test_an_interrupted_optuna_sweep_continues_its_study_from_the_journal(tmp_pa
     train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}")
     first = (sweep / "0" / "metrics.json").read_text()
     assert (sweep / "optuna.journal").is_file() and OmegaConf.load(sweep / "optimization_results.yaml").trials == 1
-    # killed while Optuna held its journal's lock (a symlink beside it, made by Optuna's own lock), a minute ago
+    # killed while Optuna held its journal's lock (a symlink beside it, made by Optuna's own lock), a minute ago,
+    # and its trial 1 with it (left running, its sweep's pid gone)
+    import optuna
     from optuna.storages.journal import JournalFileSymlinkLock
 
+    from hydra_plugins.optuna_journal_sweeper.sweeper import open_storage
+
+    study = optuna.load_study(study_name="sweep", storage=open_storage(f"journal:{sweep / 'optuna.journal'}"))
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its pid: a sweep that is gone
+    study.ask().set_user_attr("sweeper", f"{socket.gethostname()} {ended.pid}")
     JournalFileSymlinkLock(str(sweep / "optuna.journal")).acquire()
     os.utime(sweep / "optuna.journal", (time.time() - 60,) * 2)
     # the same command again, asking for 3 trials: the lock cleared as Optuna clears a stale one, the one trial
-    # finished kept (not run again), 2 more run
+    # finished kept (not run again), the killed one marked failed (it counts), 1 more run
     again = train(tmp_path, *OPTUNA_ONE_PROCESS, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}")
     assert f"{sweep / 'optuna.journal.lock'}: a stale lock of the journal" in again.stdout
+    assert "trial 1 was left running by a sweep that is gone" in again.stdout
     assert (sweep / "0" / "metrics.json").read_text() == first
-    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]
+    assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "2"]
     assert OmegaConf.load(sweep / "optimization_results.yaml").trials == 3
-    lrs = [OmegaConf.load(sweep / job / "config.yaml").model.optimizer.lr for job in ("0", "1", "2")]
-    assert len(set(lrs)) == 3  # the continued study draws new points, not the seeded sampler's first ones again
+    states = [t.state.name for t in optuna.load_study(study_name="sweep", storage=open_storage(
+        f"journal:{sweep / 'optuna.journal'}")).trials]  # fmt: skip
+    assert states == ["COMPLETE", "FAIL", "COMPLETE"], states
+    lrs = [OmegaConf.load(sweep / job / "config.yaml").model.optimizer.lr for job in ("0", "2")]
+    assert len(set(lrs)) == 2  # the continued study draws new points, not the seeded sampler's first ones again
 
 
 def test_a_journal_that_is_not_optunas_is_refused_in_one_line_before_a_trial_runs(tmp_path):

@@ -7,7 +7,9 @@ behind is pruned by the job itself (callbacks/optuna_pruning.py), told here as p
 
 import json
 import math
+import os
 import re
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from starter.atomic_write import replacing
 from starter.errors import USER_ERROR_EXIT_CODE
+from starter.process_state import gone
 
 JOURNAL = "optuna.journal"
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards n_trials, in a sweep or one continued
+SWEEPER = "sweeper"  # a trial's user attribute: the host and pid of the sweep that asked for it
 
 
 @dataclass
@@ -86,11 +90,13 @@ class OptunaJournalSweeper(Sweeper):
         for trial in study.trials:  # a journal is anyone's: its trials hold points of this space, and nothing else
             # (a waiting trial's fixed params too: Optuna hands them to the job even outside the space, with a warning)
             check_trial(trial.number, {**trial.system_attrs.get("fixed_params", {}), **trial.params}, searched, storage)
+        fail_the_abandoned(study)
         done = [t for t in study.trials if t.state.name in FINISHED]  # those of an earlier sweep of this journal too
         while len(done) < self.n_trials:
             batch = [study.ask(searched) for _ in range(min(self.n_jobs, self.n_trials - len(done)))]
             for trial in batch:
                 check_trial(trial.number, trial.params, searched, storage)
+                trial.set_user_attr(SWEEPER, f"{socket.gethostname()} {os.getpid()}")  # fail_the_abandoned reads it
             overrides = [
                 [*fixed, *(f"{k}={hydra_value(v)}" for k, v in t.params.items()), *self.told(t, storage)] for t in batch
             ]
@@ -113,6 +119,19 @@ class OptunaJournalSweeper(Sweeper):
             return []
         key = self.pruning_key
         return [f"{key}.trial={trial.number}", f"{key}.study={self.study_name}", f"{key}.storage='{storage}'"]
+
+
+def fail_the_abandoned(study) -> None:
+    """A trial left running by a sweep of this host that is gone (killed, its machine restarted) is marked failed, in a
+    line each: it counts as finished, as its job did not end. One that another live sweeper of the journal runs, or a
+    sweeper of another host, is left to it."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        host, _, pid = str(trial.user_attrs.get(SWEEPER, "")).partition(" ")
+        if host == socket.gethostname() and pid.isdigit() and gone(int(pid)):
+            study.tell(trial.number, state=TrialState.FAIL)
+            print(f"trial {trial.number} was left running by a sweep that is gone (pid {pid}): marked failed")
 
 
 def built(node):
