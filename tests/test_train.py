@@ -350,3 +350,28 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_whole_ones_beside_it(defa
         " its weights"
     )
     assert proc.returncode == 2 and lines == [said], lines
+
+
+def test_a_checkpoint_is_continued_and_evaluated_on_the_split_it_was_trained_on(tmp_path):
+    # the README's sweep, then the README's `ckpt_path=last`: it continues the newest job (seed 3) on seed 3's split,
+    # says which job and why; a run that gives another seed for it is refused, naming both (digits' split is drawn
+    # from data.seed: seed 42's test images are mostly seed 3's training images)
+    from omegaconf import OmegaConf
+
+    from conftest import sweep_jobs
+
+    train(tmp_path, "-m", "seed=1,3", "debug=limit", "trainer.max_epochs=1")
+    job = sweep_jobs(tmp_path)[-1]
+    last = job / "checkpoints" / "last.ckpt"
+    continued = train(tmp_path, "ckpt_path=last", "debug=limit", "trainer.max_epochs=1")
+    said = continued.stdout + continued.stderr
+    line = next(line for line in said.splitlines() if line.startswith("ckpt_path=last -> "))
+    assert line.startswith(f"ckpt_path=last -> {last} (job 1 of the sweep {job.parent}: ") and " seed=3 " in line
+    assert f"data.seed=3: the split ckpt_path={last} was trained on (its record)" in said
+    (run,) = [r for r in run_dirs(tmp_path) if r.parent.name == "runs"]
+    assert OmegaConf.load(run / "config.yaml").data.seed == 3
+    refused = train(tmp_path, "train=false", f"ckpt_path={last}", "seed=42", expect_ok=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: ckpt_path={last} was trained on the split data.seed=3 draws; this run gives data.seed=42: its test"
+        " samples would be among the checkpoint's training samples; give data.seed=3, or no data.seed"
+    ]

@@ -6,8 +6,10 @@ import importlib.util
 import logging
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from starter.checkpointing.data_split import settle_split
 from starter.checkpointing.resume import check_sharded, holds_weights_only, resolve_ckpt_path, saved_config
 from starter.config_schema import check_schema
 from starter.data.settle import settle_data
@@ -50,6 +52,8 @@ def prepare(cfg: DictConfig) -> Plan:
     if path is not None:
         check_sharded(path, cfg.strategy.name)
     cfg.ckpt_path = None if path is None else str(path)
+    if path is not None:
+        settle_split(cfg, path, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])
     if not cfg.train:
         check_evaluation(cfg)
     if "wandb" in (cfg.get("logger") or {}) and cfg.logger.wandb.get("id") is None:

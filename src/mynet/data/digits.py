@@ -10,6 +10,8 @@ from starter.errors import UserError
 
 
 class DigitsDataModule(ShardedDataModule):
+    split_by = ("seed", "split")  # what draws its split (starter/checkpointing/data_split.py)
+
     def __init__(self, batch_size: int = 64, split=(0.7, 0.15, 0.15), seed: int = 42, **kwargs):
         super().__init__(batch_size=batch_size, seed=seed, **kwargs)
         if len(split) != 3 or abs(sum(split) - 1) > 1e-6:

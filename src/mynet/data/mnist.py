@@ -14,6 +14,8 @@ RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-
 
 
 class MNISTDataModule(ShardedDataModule):
+    split_by = ("seed", "val_size")  # what draws its split (starter/checkpointing/data_split.py)
+
     def __init__(
         self, data_dir: str, download: bool = True, batch_size: int = 128, val_size: int = 5000, seed: int = 42, **kw
     ):

@@ -10,6 +10,8 @@ from starter.data.base import ShardedDataModule
 
 
 class SyntheticDataModule(ShardedDataModule):
+    split_by = ("seed",)  # what draws its split (starter/checkpointing/data_split.py)
+
     def __init__(
         self,
         batch_size: int = 64,

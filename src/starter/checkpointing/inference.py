@@ -8,6 +8,7 @@ import lightning as L
 import torch
 
 from starter.atomic_write import replacing
+from starter.checkpointing import data_split
 from starter.checkpointing.resume import weights_mismatch
 from starter.checkpointing.sharded_read import read_metadata, read_sharded
 from starter.errors import UserError, first_line
@@ -25,9 +26,12 @@ class SaveInference(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:  # after the DataModule's setup: its classes are known
         if callable(getattr(trainer.datamodule, "inference", None)):
             self.record |= trainer.datamodule.inference()
+        self.split = data_split.record(trainer.datamodule) if trainer.datamodule is not None else {}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         checkpoint["inference"] = self.record
+        if self.split:  # the split it is trained on (checkpointing/data_split.py)
+            checkpoint[data_split.KEY] = self.split
 
 
 def save_full_weights(trainer, path: Path, inference: dict) -> None:

@@ -30,7 +30,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
         if not found:
             raise UserError(f"ckpt_path=last: no checkpoints/last.ckpt under {task_dir}; train first or give a path")
         newest = max(found, key=lambda p: p.stat().st_mtime)
-        log.info("ckpt_path=last -> %s", newest)
+        log.info("ckpt_path=last -> %s%s", newest, sweep_job(newest.parent.parent))
         return newest
     path = Path(cfg.ckpt_path)
     if not path.exists():  # a file, or a directory for sharded checkpoints
@@ -40,6 +40,18 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
         instead = f"ckpt_path={last}" if last.is_file() else "a .ckpt file, a sharded checkpoint or ckpt_path=last"
         raise UserError(f"ckpt_path={cfg.ckpt_path} is a directory but no checkpoint; give {instead}")
     return path
+
+
+def sweep_job(run: Path) -> str:
+    """ " (job 2 of the sweep SWEEP: seed=3)" where `run` is a job of a sweep (its overrides, as values: never
+    resolved); "" else."""
+    overrides = run / ".hydra" / "overrides.yaml"
+    if not ((run.parent / "multirun.yaml").is_file() and overrides.is_file()):
+        return ""
+    with reading(overrides, named="ckpt_path=last", part="overrides"):
+        given = OmegaConf.to_container(OmegaConf.load(overrides), resolve=False)
+    said = " ".join(str(o) for o in given) if isinstance(given, list) else "?"
+    return f" (job {run.name} of the sweep {run.parent}: {said})"
 
 
 def checkpoint_named(spec: str, log_dir: Path) -> Path:

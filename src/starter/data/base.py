@@ -23,6 +23,9 @@ class ShardedDataModule(L.LightningDataModule):
     # What this starter reads to run a DataModule this way (any DataModule may declare it): `batch_size` is global,
     # and its loaders shard the data themselves, so no sampler of Lightning's is put in (preflight.py, run.py).
     shards_itself = True
+    # Its arguments that draw which samples are test (and validation) samples: a checkpoint is continued or evaluated
+    # on the split it was trained on (checkpointing/data_split.py).
+    split_by: tuple[str, ...] = ()
 
     def __init__(
         self,
