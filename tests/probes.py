@@ -2,6 +2,7 @@
 because the tests put this folder on PYTHONPATH."""
 
 import json
+import math
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from mynet.data.digits import DigitsDataModule
@@ -504,3 +506,21 @@ class StarvedAtStep(L.Callback):
             import ctypes
 
             ctypes.PyDLL(None).sleep(int(self.seconds))
+
+
+class SharedBlockMLP(nn.Module):
+    """ALBERT's shape on the MLP's config: one block applied `depth` times, held at two places (by name, and in the
+    list of its uses)."""
+
+    def __init__(self, in_shape: list[int], num_classes: int, width: int = 256, depth: int = 2, dropout: float = 0.0):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), width), nn.ReLU())
+        self.block = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.uses = nn.ModuleList([self.block] * depth)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.uses:
+            x = block(x)
+        return self.head(x)

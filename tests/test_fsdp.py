@@ -254,6 +254,17 @@ def test_a_sharded_checkpoint_entry_holding_pickled_code_is_refused(short_runs, 
     assert line.startswith(f"error: {planted}: refused, state_dict.{next(iter(weights))[11:]} holds a pickled object")
 
 
+def test_a_block_applied_at_several_places_trains_under_fsdp_as_under_one_process(tmp_path):
+    # ALBERT's shape (probes.SharedBlockMLP): one block, held by name and in the list of its uses, sharded once
+    shared = ["model.net._target_=probes.SharedBlockMLP", "model.net.width=64", "model.net.depth=3",
+              "model.optimizer._target_=torch.optim.SGD", "model.optimizer.lr=0.05", "debug=limit",
+              "trainer.max_epochs=2", "accelerator=cpu"]  # fmt: skip
+    train(tmp_path / "one", *shared, env=PROBES)
+    train(tmp_path / "fsdp", *shared, "strategy=fsdp", "devices=2", env=PROBES)
+    one, fsdp = (model_weights(run_dirs(tmp_path / run)[0]) for run in ("one", "fsdp"))
+    assert one.keys() == fsdp.keys() and max((one[k] - fsdp[k]).abs().max().item() for k in one) < 1e-5
+
+
 def test_fsdp_trains_to_the_single_process_accuracy(default_run, tmp_path):
     train(tmp_path, "strategy=fsdp", "devices=2", "accelerator=cpu")
     fsdp, single = read_metrics(run_dirs(tmp_path)[0]), read_metrics(default_run[1])

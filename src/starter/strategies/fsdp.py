@@ -21,11 +21,15 @@ BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def sharding_units(module: nn.Module, class_names: Iterable[str]) -> list[nn.Module]:
-    """The outermost submodules whose class name is in `class_names` (a unit inside a unit is not split again)."""
-    names, units = set(class_names), []
+    """The outermost submodules whose class name is in `class_names` (a unit inside a unit is not split again); each
+    once, where the model holds it at several places (one block applied at each: ALBERT's)."""
+    names, units, seen = set(class_names), [], set()
 
     def visit(m: nn.Module) -> None:
         for child in m.children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
             if type(child).__name__ in names:
                 units.append(child)
             else:
