@@ -2,9 +2,10 @@
 becomes the chosen name, and with `minimal` the larger examples go. The engine, `starter`, is never renamed: an
 update of the template replaces its files as they are.
 
-    python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE" full|minimal
+    python .copier/make_project.py PACKAGE_NAME "PROJECT TITLE" full|minimal [TEMPLATE]
 
-Moves src/mynet to src/PACKAGE_NAME, rewrites every text file that names it (imports, config targets, prose), names
+Moves src/mynet to src/PACKAGE_NAME, rewrites every text file of the template's (TEMPLATE: copier's checkout of it)
+that names it as a whole word (imports, config targets, prose; never a file of the user's or one git ignores), names
 the distribution in pyproject.toml after it, sets the README's title, removes itself, and brings uv.lock in line with
 the project's pyproject.toml. The template's repository is never touched.
 
@@ -76,8 +77,26 @@ def keep_examples(text: str, full: bool) -> str:
     return MARKED_LINE.sub(r"\1\n" if full else "", text)
 
 
-def main(package: str, title: str, examples: str = "full") -> None:
+def template_files(template: Path | None, package: str) -> set[Path] | None:
+    """The project's paths of the files the template holds (its package's under the project's name): the only files
+    this task reads or writes. A user's own files, and what git ignores (logs/, data/), are never opened, at copy or
+    at update (copier runs this task in the project again). None where the template is not given (every file)."""
+    if template is None:
+        return None
+    held = set()
+    for path in template.rglob("*"):
+        relative = path.relative_to(template)
+        if path.is_file() and ".git" not in relative.parts:
+            parts = relative.parts
+            if parts[:2] == ("src", TEMPLATE_PACKAGE):
+                parts = ("src", package, *parts[2:])
+            held.add(Path(*parts))
+    return held
+
+
+def main(package: str, title: str, examples: str = "full", template: str | None = None) -> None:
     root = Path.cwd()
+    held = template_files(Path(template) if template else None, package)
     if examples == "minimal":
         for relative in LARGER_EXAMPLES:
             path = root / relative
@@ -89,15 +108,16 @@ def main(package: str, title: str, examples: str = "full") -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(source, target)
         shutil.rmtree(template_package)
-    for path in root.rglob("*"):
+    for path in sorted(root / p for p in held) if held is not None else root.rglob("*"):
         skipped = path.name == ".copier-answers.yml" or {".git", ".copier"} & set(path.relative_to(root).parts)
-        if not path.is_file() or skipped:
+        if not path.is_file() or path.is_symlink() or skipped:
             continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:  # images
             continue
-        renamed = re.sub(TEMPLATE_PACKAGE, package, keep_examples(text, examples == "full"), flags=re.IGNORECASE)
+        # the package's name as a whole word, as written (a user's `MyNet` or `mynet_utils` is theirs)
+        renamed = re.sub(rf"\b{TEMPLATE_PACKAGE}\b", package, keep_examples(text, examples == "full"))
         if path == root / "pyproject.toml":  # the distribution: the project's, holding both packages
             renamed = re.sub(r'^name = ".*"$', f'name = "{package}"', renamed, count=1, flags=re.MULTILINE)
         if path == root / "README.md":
@@ -123,4 +143,4 @@ def relock(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

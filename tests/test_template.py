@@ -186,6 +186,17 @@ def contents(folder, *parts: str) -> dict:
 def test_copier_update_brings_an_engine_change_and_touches_nothing_of_the_users(template, projects, tmp_path):
     project = tmp_path / "project"  # the minimal one: the examples it left out must stay out
     shutil.copytree(projects["minimal"], project, ignore=shutil.ignore_patterns("logs"))
+    # the user's own net (a CamelCase class, names that hold the template's package name), an edit of theirs in a
+    # file of the template's, and files git ignores: a run's and the data's
+    nets = project / "src" / PACKAGE / "models" / "nets"
+    (nets / "mine.py").write_text("class MyNet:  # mynet_utils, MYNET, and mynet itself: the user's words\n    pass\n")
+    mlp = (nets / "mlp.py").read_text()
+    (nets / "mlp.py").write_text(mlp + "\n\nclass MyNetMLP(MLP):  # mynet's, MyNet's\n    pass\n")
+    ignored = {"logs/train/runs/x/config.yaml": f"_target_: {PACKAGE}.models.nets.mine.MyNet  # mynet\n",
+               "data/notes.txt": "mynet, MyNet\n"}  # fmt: skip
+    for name, text in ignored.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
     committed(project)
     users = ("src/" + PACKAGE, "conf/model", "conf/data", "conf/experiment", "tests")
     before = contents(project, *users)
@@ -195,6 +206,7 @@ def test_copier_update_brings_an_engine_change_and_touches_nothing_of_the_users(
     copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
     assert "TEMPLATE_CHANGE = 1" in (project / "src" / "starter" / "__init__.py").read_text()
     assert contents(project, *users) == before  # no file of the user's changed, none added
+    assert {name: (project / name).read_text() for name in ignored} == ignored  # what git ignores, untouched
     status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
     changed = sorted(line.split()[-1] for line in status.splitlines())
     assert changed == [".copier-answers.yml", "src/starter/__init__.py"], status
