@@ -57,9 +57,9 @@ def projects(template, tmp_path_factory) -> dict:
     return {examples: generate(template, tmp_path_factory.mktemp(examples), examples) for examples in EXAMPLES}
 
 
-def generate(template, folder, examples: str, ref: str = "HEAD"):
-    project = folder / f"{PACKAGE}-project"
-    copier(folder, "copy", "--trust", "--vcs-ref", ref, "--defaults", "-d", f"package_name={PACKAGE}",
+def generate(template, folder, examples: str, ref: str = "HEAD", package: str = PACKAGE):
+    project = folder / f"{package}-project"
+    copier(folder, "copy", "--trust", "--vcs-ref", ref, "--defaults", "-d", f"package_name={package}",
            "-d", f"examples={examples}", str(template), str(project))  # fmt: skip
     return project
 
@@ -120,6 +120,16 @@ def test_the_generated_project_holds_its_package_beside_the_engine_as_it_is(proj
     if examples == "minimal":  # what its user owns, and reads to adapt it
         lines = sum(len(p.read_text().splitlines()) for p in (project / "src" / PACKAGE).rglob("*.py"))
         assert lines <= 1000, lines
+
+
+def test_a_project_generated_with_the_default_name_keeps_the_package_whole(template, tmp_path):
+    # copier's default package name is the template's own: nothing to move, every file of it still there, named as is
+    project = generate(template, tmp_path, "full", package="mynet")
+    ours = sorted(str(p.relative_to(ROOT / "src" / "mynet")) for p in (ROOT / "src" / "mynet").rglob("*.py"))
+    theirs = sorted(str(p.relative_to(project / "src" / "mynet")) for p in (project / "src" / "mynet").rglob("*.py"))
+    assert ours and theirs == ours
+    assert "_target_: mynet.models.classifier.Classifier" in (project / "conf/model/base/classifier.yaml").read_text()
+    assert 'name = "mynet"' in (project / "pyproject.toml").read_text() and not (project / ".copier").exists()
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
