@@ -108,3 +108,22 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_failed_or_stopped_run_is_ma
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'failed' / 'logs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("train").experiment_id], order_by=["start_time"])
     assert [run.info.status for run in runs] == ["FAILED", "KILLED"]
+
+
+def test_the_projects_lines_reach_the_console_even_with_its_package_installed_as_a_library(tmp_path, monkeypatch):
+    # `pip install .` (not editable) puts the project's package in site-packages, beside the libraries whose
+    # chatter the console leaves to the log file: the project's own lines are told by its package's name
+    import logging
+
+    from starter.loggers import console
+
+    monkeypatch.setattr(console, "PROJECT", set())
+    installed = "/venv/lib/python3.11/site-packages/{}/models/classifier.py"
+
+    def shown(name: str) -> bool:
+        record = logging.LogRecord(name, logging.INFO, installed.format(name.split(".")[0]), 1, "a line", None, None)
+        return console.Console().filter(record)
+
+    assert not shown("mynet.models.classifier") and not shown("lightning.pytorch.trainer")
+    console.show_project(compose_config([], tmp_path))  # model and data from mynet
+    assert console.PROJECT == {"mynet"} and shown("mynet.models.classifier") and not shown("lightning.pytorch.trainer")

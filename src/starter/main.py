@@ -172,7 +172,10 @@ def usage(conf: Path) -> str:
 
 
 def console(cfg: DictConfig) -> None:
-    """verbose=true: every logger's lines on the console."""
+    """verbose=true: every logger's lines on the console; the project's always (console.show_project)."""
+    from starter.loggers.console import show_project
+
+    show_project(cfg)
     for handler in logging.getLogger().handlers:
         if cfg.get("verbose") and isinstance(handler, logging.StreamHandler):
             handler.filters.clear()

@@ -20,7 +20,7 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
     from omegaconf import OmegaConf
 
     from starter.launch.watchdog import Watchdog
-    from starter.loggers.console import set_up_logging
+    from starter.loggers.console import set_up_logging, show_project
 
     for signum in SERVER_IGNORES:  # the server ignores the scheduler's signals; a worker acts on them
         signal.signal(signum, signal.SIG_DFL)
@@ -43,6 +43,7 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
         logging.INFO if rank == 0 else logging.WARNING,
         bool(cfg.get("verbose")),
     )
+    show_project(cfg)
     import torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read by OpenMP when torch loaded: maybe in the fork server

@@ -5,21 +5,26 @@ import logging
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from starter.atomic_write import unlink_symlink
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # the log file's
 ENGINE = str(Path(__file__).parents[1])  # the engine's folder: its own lines go by their logger's name
 
 
+PROJECT: set[str] = set()  # the project's packages (show_project): their lines shown wherever they are installed
+
+
 class Console(logging.Filter):
-    """The engine's lines, the project's (any code outside the installed libraries and Python's own: the project's
-    package, a package of the user's), and anything at ERROR; but those marked `extra={"file_only": True}` (or by
+    """The engine's lines, the project's (its package, installed as a library or not, and any code outside the
+    installed libraries and Python's own), and anything at ERROR; but those marked `extra={"file_only": True}` (or by
     file_only)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "file_only", False):
             return False
-        if record.name.startswith("starter") or record.levelno >= logging.ERROR:
+        if record.name.startswith("starter") or record.levelno >= logging.ERROR or record.name.split(".")[0] in PROJECT:
             return True
         return not (record.pathname.startswith(ENGINE) or library(record.pathname))  # the engine's go by name
 
@@ -45,6 +50,12 @@ class RunLog(logging.FileHandler):
     def _open(self):
         unlink_symlink(self.baseFilename)
         return super()._open()
+
+
+def show_project(cfg) -> None:
+    """The project's packages: those the config's model and data come from (`mynet`), the engine's not."""
+    targets = (OmegaConf.select(cfg, key) for key in ("model._target_", "data._target_"))
+    PROJECT.update(str(t).split(".")[0] for t in targets if t and not str(t).startswith("starter."))
 
 
 def set_up_logging(log_file: Path | None, console_level: int = logging.INFO, verbose: bool = False) -> None:
