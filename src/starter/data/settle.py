@@ -2,12 +2,10 @@
 count (its shards.json), an image folder's class count (its class folders), and whether the DataModule shards its
 data itself (then `data.batch_size` is the global batch, shared equally over the data-parallel processes)."""
 
-import importlib.util  # full examples
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from starter.data.shard_set import describe  # full examples
 from starter.declared import declared
 from starter.errors import UserError
 
@@ -21,26 +19,15 @@ def settle_data(cfg: DictConfig) -> int | None:
     with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
         cfg.data = cfg.get("data") or {}
     settle_num_classes(cfg)
-    _settle_shards(cfg)  # full examples
+    if "source" in cfg.data:  # a shard set (data=shards): its shards.json says what the config leaves out
+        from starter.data.shard_set import settle_shards
+
+        settle_shards(cfg)
     target = cfg.data.get("_target_")
     shards_itself = target is not None and declared(str(target), "shards_itself", key="data._target_")
     return cfg.data.batch_size if shards_itself else None
 
 
-# full examples: begin
-def _settle_shards(cfg: DictConfig) -> None:
-    """A shard set's image shape and class count, when the config leaves them out (null): its shards.json."""
-    if "source" not in cfg.data:
-        return
-    if importlib.util.find_spec("litdata") is None:
-        raise UserError("data=shards needs litdata: pip install -e '.[shards]'")
-    described = describe(cfg.data.source)
-    for key in ("image_shape", "num_classes"):
-        if cfg.data.get(key) is None:
-            cfg.data[key] = described[key]
-
-
-# full examples: end
 def settle_num_classes(cfg: DictConfig) -> None:
     """An image folder's class count, when the config leaves it out (null): its class folders under train/."""
     if cfg.data.get("num_classes", 0) is not None or "root" not in cfg.data:

@@ -3,6 +3,7 @@ or an `s3://bucket/prefix`, holding one litdata directory per split and `shards.
 so a set without it is not finished. S3 is reached with boto3 and the standard AWS variables (`AWS_ENDPOINT_URL` for
 a server of one's own, plain HTTP included)."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -109,3 +110,13 @@ def check_index(url: str, text: str | None = None) -> int:
     if not all(isinstance(size, int) and size > 0 for size in sizes):
         raise UserError(f"{url}: refused, its chunk sizes are not counts of records")
     return sum(sizes)
+
+
+def settle_shards(cfg) -> None:
+    """A shard set's image shape and class count, when the config leaves them out (null): its shards.json."""
+    if importlib.util.find_spec("litdata") is None:
+        raise UserError("data=shards needs litdata: pip install -e '.[shards]'")
+    described = describe(cfg.data.source)
+    for key in ("image_shape", "num_classes"):
+        if cfg.data.get(key) is None:
+            cfg.data[key] = described[key]
