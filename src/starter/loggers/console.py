@@ -53,7 +53,7 @@ class RunLog(logging.FileHandler):
 
 
 def show_project(cfg) -> None:
-    """The project's packages: those the config's model and data come from (`mynet`), the engine's not."""
+    """The project's packages: those the config's model and data come from, the engine's not."""
     targets = (OmegaConf.select(cfg, key) for key in ("model._target_", "data._target_"))
     PROJECT.update(str(t).split(".")[0] for t in targets if t and not str(t).startswith("starter."))
 
