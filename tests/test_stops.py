@@ -124,6 +124,7 @@ def test_strangers_on_the_runs_ports_and_store_change_nothing_and_a_sigkilled_wo
     store.set(f"{prefix}/stop/origin", b":".join([b"", b"SIGTERM|0|training"]))
     store.set(f"{prefix}/stop/at", published[0])
     store.set(f"{prefix}/lifeline/proof/1", b"0" * 64)
+    store.set(f"{prefix}/progress/1", "no|progress|here")  # what rank 0's stall judge reads each beat
     steps = torch.load(wait_for_checkpoint(tmp_path, proc, epochs=3), weights_only=True)["global_step"]
     for stranger in flood:
         stranger.close()

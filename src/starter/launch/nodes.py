@@ -72,10 +72,9 @@ def tell_the_other_nodes(run_id: str, code: int, line: str, wait_s: float, linge
     prefix = key_prefix(run_id)
     report(store, code, line, node, prefix, say=say)  # under the workers' keys
     if node == 0 and store is not None:
-        deadline = time.monotonic() + wait_s  # a node has come once it meets the others, or has read it naming the run
-        while time.monotonic() < deadline and not all(
-            store.check([f"{prefix}/ready/{n}"]) or store.check([f"{prefix}/failed/read/{n}"]) for n in range(1, nodes)
-        ):
+        came = [[f"{prefix}/{what}/{n}" for what in ("ready", "failed/read")] for n in range(1, nodes)]  # met, or read
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not all(store.check(keys[:1]) or store.check(keys[1:]) for keys in came):
             time.sleep(0.2)
         time.sleep(linger_s)
 

@@ -10,16 +10,21 @@ import threading
 import time
 from collections.abc import Callable
 
+from starter.job_token import opened
+
 
 def read_progress(store, prefix: str, world: int) -> dict[int, tuple[int, int, str]] | None:
-    """{rank: (boundaries, loops, where)} of every rank, or None before every rank has said it once."""
+    """{rank: (boundaries, loops, where)} of every rank, or None before every rank has said it once (or where a value
+    is not the rank's: a stranger's, without the job token's proof, is no progress)."""
     keys = [f"{prefix}/progress/{rank}" for rank in range(world)]
     if not store.check(keys):
         return None
     found = {}
-    for rank, value in enumerate(store.multi_get(keys)):
-        boundaries, loops, at = value.decode().split("|", 2)
-        found[rank] = (int(boundaries), int(loops), at)
+    for rank, (key, value) in enumerate(zip(keys, store.multi_get(keys))):
+        said = (opened(key, value) or "").split("|", 2)
+        if len(said) != 3 or not (said[0].isdigit() and said[1].isdigit()):
+            return None
+        found[rank] = (int(said[0]), int(said[1]), said[2])
     return found
 
 

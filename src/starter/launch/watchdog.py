@@ -22,6 +22,7 @@ from functools import partial
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
+from starter.job_token import signed
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline, published_port
 from starter.launch.stall import Stall, main_thread_at, read_progress
@@ -168,7 +169,7 @@ class Watchdog:
                     os.kill(os.getpid(), self.stop_signal)
                     relayed = True
                 store.add(f"{prefix}/beat/{self.rank}", 1)
-                store.set(f"{prefix}/progress/{self.rank}", self._progress())
+                store.set(key := f"{prefix}/progress/{self.rank}", signed(key, self._progress()))
                 if found := failure(store):
                     self._leave(found[0])
                 now = time.monotonic()

@@ -38,11 +38,8 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
     name_process(f"rank {rank}")
     cfg = OmegaConf.load(config_path)
     # rank 0 continues the run's log file and console; other ranks only warn, so no console line is repeated
-    set_up_logging(
-        Path(cfg.log_file) if rank == 0 else None,
-        logging.INFO if rank == 0 else logging.WARNING,
-        bool(cfg.get("verbose")),
-    )
+    set_up_logging(Path(cfg.log_file) if rank == 0 else None, logging.INFO if rank == 0 else logging.WARNING,
+                   bool(cfg.get("verbose")))  # fmt: skip
     show_project(cfg)
     import torch
 
@@ -50,19 +47,10 @@ def work(config_path: str, job: str, env: dict, launcher_pid: int) -> None:
     module, name = job.split(":")
     run = getattr(importlib.import_module(module), name)  # torch and Lightning: imported already where forked
     per_node, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    watchdog = Watchdog(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        rank,
-        world,
-        per_node,
-        cfg.heartbeat_timeout_s,
-        cfg.stall_timeout_s,
-        store_holder="node 0's train.py",
-        launcher_pid=launcher_pid,
-        stop_signal=signal.Signals[(list(cfg.stop_signals) or ["SIGTERM"])[0]],
-        stop_grace_s=cfg.stop_grace_s,
-    )
+    stop_signal = signal.Signals[(list(cfg.stop_signals) or ["SIGTERM"])[0]]
+    watchdog = Watchdog(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, per_node,
+                        cfg.heartbeat_timeout_s, cfg.stall_timeout_s, "node 0's train.py", launcher_pid=launcher_pid,
+                        stop_signal=stop_signal, stop_grace_s=cfg.stop_grace_s)  # fmt: skip
     try:
         with watchdog.reporting():  # a failure: reported to every process, SystemExit with its code
             run(cfg)
