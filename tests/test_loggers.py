@@ -126,4 +126,5 @@ def test_the_projects_lines_reach_the_console_even_with_its_package_installed_as
 
     assert not shown("mynet.models.classifier") and not shown("lightning.pytorch.trainer")
     console.show_project(compose_config([], tmp_path))  # model and data from mynet
-    assert console.PROJECT == {"mynet"} and shown("mynet.models.classifier") and not shown("lightning.pytorch.trainer")
+    assert console.PROJECT == {"mynet"} and shown("mynet.models.classifier")
+    assert not shown("lightning.pytorch.trainer")

@@ -19,7 +19,7 @@ def settle_data(cfg: DictConfig) -> int | None:
     with open_dict(cfg):  # data=none, '~data': no DataModule, the module's own loaders (run.py)
         cfg.data = cfg.get("data") or {}
     settle_num_classes(cfg)
-    if "source" in cfg.data:  # a shard set (data=shards): its shards.json says what the config leaves out
+    if "source" in cfg.data:  # a shard set: its shards.json says what the config leaves out
         from starter.data.shard_set import settle_shards
 
         settle_shards(cfg)
