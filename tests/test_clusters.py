@@ -173,15 +173,19 @@ def test_a_stall_is_judged_inside_loops_only_and_names_the_ranks_behind_or_every
     )
 
 
-def test_each_ranks_progress_is_read_from_the_store_once_every_rank_has_said_it():
+def test_each_ranks_progress_is_read_from_the_store_once_every_rank_has_said_it(monkeypatch):
+    from starter.job_token import signed
     from starter.launch.stall import read_progress
     from starter.run_store import serve_store
 
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "the job's secret")
     store = serve_store("127.0.0.1")
-    store.set("run/progress/0", "12|1|")
+    store.set("run/progress/0", signed("run/progress/0", "12|1|"))
     assert read_progress(store, "run", world=2) is None
-    store.set("run/progress/1", "11|2|__getitems__ (a|b.py:3)")
+    store.set("run/progress/1", signed("run/progress/1", "11|2|__getitems__ (a|b.py:3)"))
     assert read_progress(store, "run", world=2) == {0: (12, 1, ""), 1: (11, 2, "__getitems__ (a|b.py:3)")}
+    store.set("run/progress/1", ":11|2|")  # a stranger's, without the token's proof: no progress
+    assert read_progress(store, "run", world=2) is None
 
 
 @pytest.fixture

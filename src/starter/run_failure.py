@@ -12,8 +12,8 @@ from starter.topology import key_prefix
 
 
 def report(store, code: int, line: str, node: int = 0, prefix: str | None = None, say: bool = True) -> bool:
-    """Write `failed` unless a process did first; print `line` only then (if `say`), and write `failed/said` (a
-    process killed in between has not: its launcher says it). Returns whether this was the first. `node`: the node
+    """Write `failed` unless a process did first; write `failed/said` and print `line` only then (if `say`); a process
+    killed before the mark has not: its launcher says it. Returns whether this was the first. `node`: the node
     whose process met it (another node's launcher says it too)."""
     key = f"{prefix or key_prefix()}/failed"
     mine = signed(key, f"{code}|{node}|{line}")
@@ -24,11 +24,11 @@ def report(store, code: int, line: str, node: int = 0, prefix: str | None = None
             first = True
     except Exception:  # the store is gone: say it here rather than nowhere
         first = True
+    if first and answers(store):  # marked before the line: a launcher waiting for the mark says it only where this
+        with contextlib.suppress(Exception):  # process died first (a line twice under load, else)
+            store.set(f"{key}/said", "")
     if first and say:
         to_stderr(f"error: {line}")
-    if first and answers(store):
-        with contextlib.suppress(Exception):  # gone meanwhile
-            store.set(f"{key}/said", "")
     return first
 
 
