@@ -533,12 +533,12 @@ def test_a_heal_writes_fsdps_shards_and_optimizer_state_in_place_and_keeps_a_tie
 
 
 def resident_mb(pid: int) -> float:
-    """Process `pid`'s resident memory, in MB (0 once it has gone)."""
+    """Process `pid`'s resident memory, in MB (0 once it has gone, or has ended and is not yet reaped: no VmRSS)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0.0
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+    return int(next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), 0)) / 1024
 
 
 def test_the_lighthouses_host_lost_ends_the_other_group_in_one_line_with_last_ckpt_and_flat_memory(hosts, tmp_path):
