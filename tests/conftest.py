@@ -36,6 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 PROBES = {"PYTHONPATH": str(ROOT / "tests")}  # the environment of a run that adds callbacks from tests/probes.py
+BED = ROOT / "tests" / "bed"  # the engine's tests' own task, nets and data (tests/bed/__init__.py)
+BED_DEFAULTS = {"model": "bed_mlp", "data": "bed_digits"}
+
+
+def on_bed(overrides) -> list[str]:
+    """Overrides of a train.py run on the test bed: its options on the config search path (with any given there), and
+    its model and data where the run names none (nor an experiment, which names its own)."""
+    overrides = list(overrides)
+    given = [o for o in overrides if o.startswith("hydra.searchpath=")]
+    paths = [path for o in given for path in o.split("=", 1)[1].strip("[]").split(",") if path]
+    named = {o.split("=", 1)[0].lstrip("~+") for o in overrides if not o.startswith("-")}
+    defaults = [] if "experiment" in named else [f"{g}={o}" for g, o in BED_DEFAULTS.items() if g not in named]
+    searchpath = "hydra.searchpath=[" + ",".join([*paths, f"file://{BED / 'conf'}"]) + "]"
+    return [*(o for o in overrides if o not in given), searchpath, *defaults]
 
 
 def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False):
@@ -48,7 +62,7 @@ def compose_config(overrides: list[str], run_dir: Path, keep_hydra: bool = False
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        cfg = compose("train", overrides=on_bed(overrides), return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} resolve
     with open_dict(cfg):
         cfg.paths.output_dir, cfg.paths.log_dir = str(run_dir), str(Path(run_dir).parent)
@@ -179,7 +193,7 @@ MLP_20_STEPS = ["accelerator=cpu", "debug=limit", "trainer.max_epochs=4", "model
 # parameters whose gradient is zero up to rounding (an attention key bias: softmax ignores it), which says nothing
 # about the parallel maths. The last item is trainer.max_epochs (tests resuming for more epochs replace it).
 SMALL_VIT_20_STEPS = [
-    "model=vit",
+    "model=bed_vit",
     "model.optimizer._target_=torch.optim.SGD",
     "model.optimizer.lr=0.05",
     "~model.optimizer.weight_decay",
@@ -205,6 +219,8 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
     quiet = QUIET if script == "train.py" else []
     overrides = [f"paths.log_dir={tmp_path / 'logs'}", *quiet, *on_cpu(o for o in overrides if not o.startswith("-"))]
+    if script == "train.py":
+        overrides = on_bed(overrides)
     if runs_here(overrides, flags, env):
         proc = train_here(tmp_path, [*flags, *overrides], script, timeout)
     else:
@@ -355,11 +371,11 @@ def _entry_point(script: str):
 
 def with_env(extra: dict | None = None, **more: str) -> dict:
     """The environment of every process a test starts: this one's, plus `extra` and `more`, with the checkout under
-    test first on PYTHONPATH (a PYTHONPATH given goes before it). So a child imports this checkout's `starter`, never
-    a package installed from another one."""
+    test first on PYTHONPATH (a PYTHONPATH given goes before it), then tests/ (the bed). So a child imports this
+    checkout's `starter`, never a package installed from another one."""
     given = {**(extra or {}), **more}
     env = {**os.environ, **given}
-    paths = [given.get("PYTHONPATH"), str(ROOT / "src"), os.environ.get("PYTHONPATH")]
+    paths = [given.get("PYTHONPATH"), str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path for path in paths if path))
     return env
 
@@ -489,10 +505,10 @@ def digit_files(tmp_path_factory) -> Path:
     """The default run's test split (digits, seed 42) as 8-bit PNG files named <index>_<label>.png."""
     from PIL import Image
 
-    from mynet.data.digits import DigitsDataModule
+    from bed.data import Digits
 
     folder = tmp_path_factory.mktemp("digit_files")
-    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
+    digits = Digits(image_shape=[1, 8, 8], num_classes=10)
     digits.setup()
     for i, (image, label) in enumerate(zip(digits.test_set.images, digits.test_set.labels)):
         Image.fromarray(image[0].numpy()).save(folder / f"{i:04d}_{int(label)}.png")

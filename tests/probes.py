@@ -14,11 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from mynet.data.digits import DigitsDataModule
-from mynet.data.in_memory import TensorPairs, already_batched
+from bed.data import Digits, TensorPairs, already_batched
 
 
-class AugmentedDigits(DigitsDataModule):
+class AugmentedDigits(Digits):
     """The digits, each training batch shifted by a pixel or none each way as it reaches the device: drawn from the
     training process's own generator, as any augmentation there draws (on the device, or with data.num_workers=0)."""
 
@@ -312,7 +311,23 @@ class RecordProcess(L.Callback):
         (self.output / f"rank{trainer.global_rank}.json").write_text(json.dumps(process))
 
 
-class HangingDigits(DigitsDataModule):
+class DigitsFromDisk(Digits):
+    """Digits that need `folder` on this node's disk first, as a data set read from local files does: where it is
+    missing, the user's error, met in prepare_data (by local rank 0 of each node; the node's others wait at a
+    barrier)."""
+
+    def __init__(self, folder: str, **kwargs):
+        super().__init__(**kwargs)
+        self.folder = folder
+
+    def prepare_data(self) -> None:
+        from starter.errors import UserError
+
+        if not Path(self.folder).is_dir():
+            raise UserError(f"digits not found in {self.folder}: this data set reads its files from the node's disk")
+
+
+class HangingDigits(Digits):
     """Digits whose training loader, on rank `rank`, waits forever at its `fetch`-th batch (as a loader deadlocked on
     a lock would), while the process's other threads run on; touches `marker` when it begins to wait."""
 
@@ -386,8 +401,8 @@ class DiffersWhenTraced(TakesBranches):
 
 
 class RecordModules(L.Callback):
-    """At the end of the test, writes which modules of the engine (starter) and of the project
-    (mynet) the process has imported."""
+    """At the end of the test, writes which modules of the engine (starter) and of the test bed (bed) the process
+    has imported."""
 
     def __init__(self, output: str):
         self.output = Path(output)
@@ -395,7 +410,7 @@ class RecordModules(L.Callback):
     def on_test_end(self, trainer, pl_module) -> None:
         import sys
 
-        self.output.write_text(json.dumps(sorted(m for m in sys.modules if m.startswith(("starter.", "mynet.")))))
+        self.output.write_text(json.dumps(sorted(m for m in sys.modules if m.startswith(("starter.", "bed.")))))
 
 
 def sample_ids(batch) -> list[int]:

@@ -18,6 +18,7 @@ from conftest import (
     free_port,
     max_difference,
     model_weights,
+    on_bed,
     run_dirs,
     slurm_env,
     start_all,
@@ -44,8 +45,8 @@ def test_one_task_slurm_job_gets_two_distinct_ranks_from_our_launcher(tmp_path):
 def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
 
     port = free_port()
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "callbacks=state_bytes",
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *SHORT]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=2", "callbacks=state_bytes",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *SHORT])]  # fmt: skip
     envs = [with_env(slurm_env(2, rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in (0, 1)]
     outputs = start_all([(command, env) for env in envs], tmp_path)
     (run_dir,) = run_dirs(tmp_path)  # each task composed the config; both named the run after the job step
@@ -53,7 +54,7 @@ def test_srun_tasks_are_the_ranks_and_share_one_run_directory(tmp_path):
     assert sorted(p.name for p in (run_dir / "state_bytes").iterdir()) == ["rank0.json", "rank1.json"]
     tables = [re.search(r"^metric +value$", out, re.MULTILINE) is not None for out, _ in outputs]
     assert tables == [True, False]  # rank 0 reports
-    assert outputs[1][0] == "" and outputs[0][0].count("train: data=digits") == 1  # each line once, rank 0's
+    assert outputs[1][0] == "" and outputs[0][0].count("train: data=bed_digits") == 1  # each line once, rank 0's
 
 
 def scheduler_env(scheduler: str, rank: int, port: int, tmp_path) -> dict:
@@ -76,13 +77,13 @@ def test_the_ranks_kubeflow_or_lsf_start_train_as_one_process_in_one_run_directo
     scheduler, name, reference_weights, tmp_path
 ):
     port = free_port()
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS,
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=1", "num_nodes=2",
+               *MLP_20_STEPS, f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
     outputs = start_all([(command, scheduler_env(scheduler, rank, port, tmp_path)) for rank in (0, 1)], tmp_path)
     (run_dir,) = run_dirs(tmp_path)  # each process composed the config; both named the run after the job
     assert run_dir.name == name and (run_dir / "metrics.json").is_file()
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5
-    assert [out.count("train: data=digits") for out, _ in outputs] == [1, 0]  # rank 0 says it
+    assert [out.count("train: data=bed_digits") for out, _ in outputs] == [1, 0]  # rank 0 says it
 
 
 @pytest.mark.slow
@@ -93,8 +94,8 @@ def test_two_nodes_of_two_processes_each_on_hosts_of_their_own_train_as_one_proc
     # nodes without a shared disk pins it): the nodes meet by what both are given (MASTER_ADDR: node 0's host,
     # MASTER_PORT), not by a name each makes; no GLOO_SOCKET_IFNAME, though each host's name resolves to loopback
     port = free_port()
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "num_nodes=2", *MLP_20_STEPS,
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=2", "num_nodes=2",
+               *MLP_20_STEPS, f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
     envs = {n: with_env(MASTER_ADDR=hosts.address(0), MASTER_PORT=str(port), NODE_RANK=str(n)) for n in (0, 1)}
     commands = [([*command, f"hydra.run.dir={tmp_path / f'node{n}'}"], env) for n, env in envs.items()]
     start_all(commands, tmp_path, hosts=hosts)

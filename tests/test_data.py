@@ -1,4 +1,5 @@
-"""Each DataModule against small data written here; sharding and batch-size semantics."""
+"""The engine's DataModule (starter/data/base.py) on the test bed's data: sharding, batch-size semantics, loader
+workers, mixing. The examples' data modules: tests/examples/test_example_data.py."""
 
 import os
 import subprocess
@@ -8,10 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bed.data import Digits, RandomImages
 from conftest import as_rank
-from mynet.data.digits import DigitsDataModule
-from mynet.data.mnist import MNISTDataModule
-from mynet.data.synthetic import SyntheticDataModule
 from starter.errors import UserError
 
 DIGITS = dict(image_shape=[1, 8, 8], num_classes=10)
@@ -23,23 +22,10 @@ def batches(loader, epoch: int = 0):
     return list(loader)
 
 
-def test_digits_split_is_deterministic_disjoint_and_normalised():
-    first, second = DigitsDataModule(seed=3, **DIGITS), DigitsDataModule(seed=3, **DIGITS)
-    first.setup(), second.setup()
-    sizes = [len(s) for s in (first.train_set, first.val_set, first.test_set)]
-    assert sizes == [1257, 269, 271] and sum(sizes) == 1797
-    assert torch.equal(first.test_set.images, second.test_set.images) and first.test_set.images.dtype == torch.uint8
-    train = first.normalise(first.train_set.images)  # on the device, after the transfer
-    assert abs(float(train.mean())) < 1e-5 and abs(float(train.std()) - 1) < 1e-4
-    other = DigitsDataModule(seed=4, **DIGITS)
-    other.setup()
-    assert not torch.equal(first.test_set.labels, other.test_set.labels)
-
-
 def test_two_ranks_together_load_exactly_the_single_process_global_batches():
     single, ranks = (
-        DigitsDataModule(batch_size=64, **DIGITS),
-        [DigitsDataModule(batch_size=64, **DIGITS) for _ in range(2)],
+        Digits(batch_size=64, **DIGITS),
+        [Digits(batch_size=64, **DIGITS) for _ in range(2)],
     )
     for dm in (single, *ranks):
         dm.setup()
@@ -74,7 +60,7 @@ def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
     drawn = []
     for global_rank in (2, 3):
-        data = SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=1)
+        data = RandomImages(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=1)
         dm = as_rank(data, world=2, rank=1, global_rank=global_rank, processes=4)
         dm.train_set = RandomCrops()
         torch.manual_seed(global_rank)
@@ -87,7 +73,7 @@ def test_loader_workers_of_one_tensor_parallel_group_draw_the_same_augmentations
 def test_loader_workers_of_two_places_or_two_ids_draw_differently():
     drawn = {}
     for place in (0, 1):
-        dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 2, place)
+        dm = as_rank(RandomImages(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 2, place)
         dm.train_set = RandomCrops()
         drawn[place] = [images for images, _ in batches(dm.train_dataloader())]
     # each worker reads every other batch: batches 0 and 1 come from workers 0 and 1
@@ -110,7 +96,7 @@ def test_loader_workers_are_forks_of_a_server_that_imports_the_data_set_not_of_t
     # asked to import the data set's module and the workers' seeding (a process's first loader's: its server's).
     from starter.fork_server import fork_server
 
-    dm = as_rank(SyntheticDataModule(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 1, 0)
+    dm = as_rank(RandomImages(batch_size=4, image_shape=[1, 2, 2], num_classes=2, num_workers=2), 1, 0)
     dm.train_set = ParentOfTheWorker()
     loader = dm.train_dataloader()
     parents = {int(pid) for pids, _ in batches(loader) for pid in pids}
@@ -170,7 +156,7 @@ def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():
     images, labels = torch.randint(0, 256, (8, 1, 8, 8), dtype=torch.uint8), torch.arange(8) % 10
     mixed = []
     for global_rank in (0, 1):
-        dm = as_rank(DigitsDataModule(mixup_alpha=0.8, cutmix_alpha=1.0, **DIGITS), 1, 0)
+        dm = as_rank(Digits(mixup_alpha=0.8, cutmix_alpha=1.0, **DIGITS), 1, 0)
         progress = SimpleNamespace(total=SimpleNamespace(ready=3))
         dm.trainer.training = True
         dm.trainer.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
@@ -182,7 +168,7 @@ def test_mixup_and_cutmix_are_drawn_alike_by_every_process_of_a_pipeline():
 
 
 def test_evaluation_shards_cover_an_odd_split_exactly_once():
-    dm = DigitsDataModule(batch_size=64, **DIGITS)
+    dm = Digits(batch_size=64, **DIGITS)
     dm.setup()
     assert len(dm.test_set) % 2 == 1
     seen = [y for r in range(2) for _, y in as_rank(dm, 2, r).test_dataloader()]
@@ -191,7 +177,7 @@ def test_evaluation_shards_cover_an_odd_split_exactly_once():
 
 
 def test_global_batch_that_does_not_divide_is_refused():
-    dm = as_rank(DigitsDataModule(batch_size=63, **DIGITS), 2, 0)
+    dm = as_rank(Digits(batch_size=63, **DIGITS), 2, 0)
     dm.setup()
     with pytest.raises(UserError, match="data.batch_size=63 is the global batch and does not divide by the 2"):
         dm.train_dataloader()
@@ -199,51 +185,18 @@ def test_global_batch_that_does_not_divide_is_refused():
 
 def test_shape_mismatch_with_config_is_a_clear_error():
     with pytest.raises(UserError, match=r"digits has images of shape \[1, 8, 8\].*data.image_shape=\[1, 28, 28\]"):
-        DigitsDataModule(image_shape=[1, 28, 28], num_classes=10).setup()
-
-
-def mnist(data_dir, **kw):
-    return MNISTDataModule(data_dir=str(data_dir), image_shape=[1, 28, 28], num_classes=10, **kw)
-
-
-def test_mnist_is_read_from_idx_files_into_normalised_tensors(mnist_dir):
-    dm = mnist(mnist_dir, download=False, val_size=40, batch_size=20)
-    dm.prepare_data()
-    dm.setup()
-    assert [len(s) for s in (dm.train_set, dm.val_set, dm.test_set)] == [160, 40, 50]
-    images = dm.train_set.images
-    assert images.dtype == torch.uint8 and images.shape == (160, 1, 28, 28)  # a quarter of float32's bytes
-    x, y = next(iter(as_rank(dm, 1, 0).train_dataloader()))
-    x = dm.normalise(x)  # what on_after_batch_transfer does on the device
-    assert x.shape == (20, 1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.long
-    assert abs(float(x.max()) - (1 - 0.1307) / 0.3081) < 1e-5  # (255/255 - mean) / std
-
-
-def test_missing_mnist_names_the_directory_and_the_files(tmp_path):
-    with pytest.raises(UserError) as err:
-        mnist(tmp_path / "nowhere", download=False).prepare_data()
-    message = str(err.value)
-    assert str(tmp_path / "nowhere" / "MNIST" / "raw") in message and "train-images-idx3-ubyte" in message
+        Digits(image_shape=[1, 28, 28], num_classes=10).setup()
 
 
 def test_loaders_pin_host_memory_exactly_when_batches_go_to_a_gpu():
     # a copy from pageable memory waits for the GPU's queued work: pinned memory lets the step run ahead
     def loader_of_process_on(device: str):
-        dm = SyntheticDataModule(batch_size=8, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8)
+        dm = RandomImages(batch_size=8, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8)
         dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
         dm.setup()
         return dm.train_dataloader()
 
     assert loader_of_process_on("cuda").pin_memory and not loader_of_process_on("cpu").pin_memory
-
-
-def test_synthetic_data_is_imagenet_shaped_and_repeatable():
-    dm = SyntheticDataModule(batch_size=4, train_size=8, eval_size=4, image_shape=[3, 224, 224], num_classes=1000)
-    dm.setup()
-    (x1, y1), (x2, y2) = dm.train_set[5], dm.train_set[5]
-    assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
-    x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
-    assert x.shape == (4, 3, 224, 224) and x.dtype == torch.uint8  # made once, not per item
 
 
 def test_the_sharded_datamodule_of_docs_extending_runs_as_written_and_shards_the_global_batch():

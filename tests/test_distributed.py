@@ -39,17 +39,17 @@ def test_two_processes_match_one_process_in_one_run_directory(strategy, referenc
     assert checkpoints == ["best.ckpt", "last.ckpt"] and len(list(run_dir.rglob("metrics.csv"))) == 1
     lines = (proc.stdout + proc.stderr).splitlines()  # rank 0 speaks, rank 1 does not: each line once
     said = [line for line in lines if not line.startswith("epoch ") and not line.startswith(("train/", "val/"))]
-    assert len(said) == len(set(said)) and said[0].startswith("train: data=digits model=mlp strategy=")
+    assert len(said) == len(set(said)) and said[0].startswith("train: data=bed_digits model=bed_mlp strategy=")
 
 
 def test_worker_error_stops_all_workers_with_one_message(tmp_path):
     # Rank 0 fails in prepare_data while rank 1 waits for it at a barrier: rank 1 must leave too, and only the
     # rank that met the error says it.
-    proc = train(tmp_path, "strategy=ddp", "devices=2", "accelerator=cpu", "data=mnist", "data.download=false",
-                 f"paths.data_dir={tmp_path / 'none'}", expect_ok=False, timeout=120)  # fmt: skip
+    proc = train(tmp_path, "strategy=ddp", "devices=2", "accelerator=cpu", "data._target_=probes.DigitsFromDisk",
+                 f"+data.folder={tmp_path / 'none'}", expect_ok=False, timeout=120, env=PROBES)  # fmt: skip
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: rank 0 (node 0): MNIST not found in {tmp_path / 'none'}")
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank 0 (node 0): digits not found in {tmp_path / 'none'}")
 
 
 def test_a_port_an_ended_store_of_this_process_held_serves_the_next_jobs_store(monkeypatch):

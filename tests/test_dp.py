@@ -5,10 +5,10 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
+from bed.data import Digits
+from bed.nets import MLP
+from bed.task import Classifier
 from conftest import compose_config, read_metrics, run_dirs, train
-from mynet.data.digits import DigitsDataModule
-from mynet.models.classifier import Classifier
-from mynet.models.nets.mlp import MLP
 from starter.errors import UserError
 from starter.preflight import prepare
 from starter.strategies.dp import DataParallelStrategy, _ClassForward
@@ -30,7 +30,7 @@ def test_dp_routes_every_step_forward_through_data_parallel_and_leaves_the_modul
     trainer = Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=1, max_steps=3, limit_val_batches=1,
                       limit_test_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)  # fmt: skip
-    datamodule = DigitsDataModule(batch_size=32, image_shape=[1, 8, 8], num_classes=10)
+    datamodule = Digits(batch_size=32, image_shape=[1, 8, 8], num_classes=10)
     trainer.fit(model, datamodule=datamodule)
     trainer.test(model, datamodule=datamodule, verbose=False)
     assert trainer.strategy._data_parallel is None  # released at teardown

@@ -27,6 +27,7 @@ from conftest import (
     free_port,
     max_difference,
     model_weights,
+    on_bed,
     read_metrics,
     reaped,
     run_dirs,
@@ -50,11 +51,11 @@ def group(tmp_path: Path, number: int, port: int, *overrides: str, session: bool
     (the docs' commands, as written: no MASTER_ADDR, no GLOO_SOCKET_IFNAME); else every group on this loopback."""
     at = hosts.address(0) if hosts else "localhost"
     lighthouse = [f"fault_tolerance.lighthouse=http://{at}:{port}"] if number else []
-    command = [sys.executable, str(ROOT / "train.py"), "accelerator=cpu", "fault_tolerance=torchft",
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["accelerator=cpu", "fault_tolerance=torchft",
                f"fault_tolerance.replica_group={number}", f"fault_tolerance.lighthouse_port={port}", *lighthouse,
                f"fault_tolerance.host_own={PROBES_HOST_OWN}",
                f"fault_tolerance.heartbeat_timeout_s={HEARTBEAT_S}", "fault_tolerance.timeout_s=20",
-               f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides]  # fmt: skip
+               f"paths.log_dir={tmp_path / f'g{number}' / 'logs'}", *QUIET, *overrides])]  # fmt: skip
     (tmp_path / f"g{number}").mkdir(parents=True, exist_ok=True)
     env = with_env(PROBES, **(env or {}))
     options = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
@@ -444,7 +445,7 @@ def test_the_config_groups_compare_is_the_whole_config_less_what_a_host_keeps_to
     from conftest import compose_config
     from starter.strategies.replica_agreement import agreed_config
 
-    base = ["fault_tolerance=torchft", "data=digits"]
+    base = ["fault_tolerance=torchft", "data=bed_digits"]
     ours = json.loads(agreed_config(compose_config(base, tmp_path / "a"), 1))
     other = json.loads(agreed_config(compose_config(base + theirs, tmp_path / "b"), 1))
     assert sorted(k for k in ours.keys() | other.keys() if ours.get(k) != other.get(k)) == differ

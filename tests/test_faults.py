@@ -20,6 +20,7 @@ from conftest import (
     descendants,
     free_port,
     kill_with_descendants,
+    on_bed,
     on_cpu,
     plant,
     read_metrics,
@@ -77,7 +78,8 @@ def test_sigkill_during_saving_leaves_a_whole_checkpoint(delay, tmp_path):
 
 
 def start(tmp_path: Path, *overrides: str, env: dict | None = None, **popen) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *on_cpu(overrides)]
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={tmp_path / 'logs'}", *QUIET,
+               *on_cpu(overrides)])]  # fmt: skip
     return Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(env), **popen)
 
 
@@ -365,8 +367,8 @@ def test_workers_whose_launcher_is_killed_save_last_checkpoint_at_one_step_and_s
         proc = start(tmp_path, *LONG_DDP, "heartbeat_timeout_s=4", *slow, env=PROBES)
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-        command = [*torchrun, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *LONG_DDP[:1],
-                   *LONG_DDP[2:], "heartbeat_timeout_s=20"]  # fmt: skip
+        command = [*torchrun, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={tmp_path / 'logs'}", *QUIET,
+                   *LONG_DDP[:1], *LONG_DDP[2:], "heartbeat_timeout_s=20"])]  # fmt: skip
         proc = Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True)
     last = wait_for_checkpoint(tmp_path, proc, epochs=1)
     before = torch.load(last, weights_only=True)["global_step"]
@@ -461,7 +463,7 @@ def test_an_exception_on_one_rank_is_its_traceback_and_one_line_naming_it_and_ev
 
 def test_checkpoint_of_a_different_model_is_refused_before_training(default_run, tmp_path):
     best = default_run[1] / "checkpoints" / "best.ckpt"
-    proc = train(tmp_path, "model=cnn", f"ckpt_path={best}", expect_ok=False)
+    proc = train(tmp_path, "model=bed_cnn", f"ckpt_path={best}", expect_ok=False)
     assert proc.returncode == 2 and "holds weights of a different model" in proc.stderr
     assert not list(tmp_path.glob("logs/**/metrics.csv"))
     # another size: the line names the settings of the run that saved it, and with them the checkpoint loads
@@ -548,7 +550,7 @@ def test_a_train_split_smaller_than_one_batch_is_refused_rather_than_trained_for
 def test_unwritable_output_directory_is_one_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"paths.log_dir={blocker / 'logs'}"],
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={blocker / 'logs'}"])],
                           capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0
     assert proc.returncode == 2
@@ -577,8 +579,8 @@ def start_node(tmp_path: Path, node: int, port: int, *overrides: str, cwd: Path 
     """`train.py` as node `node` of two, one process each, on localhost (`hosts`: on host `node`); `cwd` stands for the
     node's own disk."""
     env = with_env(MASTER_ADDR=hosts.address(0) if hosts else "127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", "accelerator=cpu",
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=1", "num_nodes=2",
+               "accelerator=cpu", f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *overrides])]  # fmt: skip
     options = dict(cwd=cwd or tmp_path, stdout=PIPE, stderr=PIPE, text=True, **popen)
     return hosts.popen(node, command, env, **options) if hosts else subprocess.Popen(command, env=env, **options)
 
@@ -672,15 +674,15 @@ def test_a_rank_starved_on_a_loaded_machine_is_slow_not_lost(tmp_path):
     assert "error:" not in proc.stderr and "has not answered" not in proc.stdout + proc.stderr
 
 
-def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(mnist_dir, tmp_path):
+def test_a_user_error_on_node_1_is_one_line_naming_it_and_every_node_exits_2(tmp_path):
     # The data exists on node 0's disk (its working directory holds data/), not on node 1's: node 1's ranks (2 and 3
-    # of two processes a node) meet it in setup, while node 0's wait for them in a collective.
-    data = ["data=mnist", "data.download=false", "paths.data_dir=data", "data.val_size=40", "data.batch_size=20",
-            "devices=2"]  # fmt: skip
+    # of two processes a node) meet it in prepare_data, while node 0's wait for them in a collective.
+    (tmp_path / "data").mkdir()
+    data = ["data._target_=probes.DigitsFromDisk", "+data.folder=data", "devices=2"]
     codes, ended, lines = node_1_without_the_data(tmp_path, *data)
     assert codes == [2, 2] and max(ended) - min(ended) < 60, (codes, ended)
     # said once on each node: by the rank that met it first, and by node 0's launcher, which read it from the store
-    said = r"error: rank [23] \(node 1\): MNIST not found in data/MNIST/raw and data.download=false"
+    said = r"error: rank [23] \(node 1\): digits not found in data: this data set reads its files from the node's disk"
     assert len(lines) == 2 and lines[0] == lines[1] and re.match(said, lines[0]), lines
 
 
@@ -750,8 +752,8 @@ def test_a_lost_srun_task_ends_the_run_within_the_heartbeat_timeout_with_a_line_
     # (nor does its own watchdog), as a hung node; rank 0 finds it, and kills it (srun would wait for it). A task a
     # signal killed has no launcher of ours to say so: rank 0 finds it by its closed connection.
     port, long = free_port(), ["trainer.max_epochs=1000", "heartbeat_timeout_s=6"]
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=2", "accelerator=cpu",
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=2", "accelerator=cpu",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET, *long])]  # fmt: skip
     procs = [subprocess.Popen(command, cwd=tmp_path, env=with_env(slurm_env(2, rank), MASTER_ADDR="127.0.0.1",
              MASTER_PORT=str(port)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]  # fmt: skip

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROBES, ROOT, host_syncs, model_weights, train, trained_weights, with_env
+from conftest import PROBES, ROOT, host_syncs, model_weights, on_bed, train, trained_weights, with_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA")]  # fmt: skip
 
 ONE_GPU = ["accelerator=gpu", "devices=1", "debug=limit", "trainer.max_epochs=1", "trainer.enable_progress_bar=false"]
-SMALL_IMAGES = ["data=synthetic", "data.image_shape=[3,64,64]", "data.num_classes=10", "data.train_size=256",
+SMALL_IMAGES = ["data=bed_images", "data.image_shape=[3,64,64]", "data.num_classes=10", "data.train_size=256",
                 "data.eval_size=64", "data.batch_size=32"]  # fmt: skip
-CNN = [*SMALL_IMAGES, "model=cnn"]
+CNN = [*SMALL_IMAGES, "model=bed_cnn"]
 R18 = [*SMALL_IMAGES, "model=resnet18"]  # full examples
 STRATEGIES = ("auto", "dp", "ddp", "ddp_spawn", "fsdp")
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
@@ -43,12 +43,12 @@ EXTRAS = {
     ],
     "cnn-fsdp-cpu_offload": [*CNN, "strategy=fsdp", "strategy.cpu_offload=true"],
     "cnn-ema-bf16": [*CNN, "callbacks.weight_averaging.decay=0.99", "precision=bf16-mixed"],
-    "vit-tp-foreach-bf16": ["model=vit", "strategy=tp", "precision=bf16-mixed", "+model.optimizer.foreach=true"],
-    "vit-pp-bf16": ["model=vit", "strategy=pp", "precision=bf16-mixed"],
-    "vit-tp-fp16": ["model=vit", "strategy=tp", "precision=16-mixed"],
-    "vit-pp-fp16-clipped": ["model=vit", "strategy=pp", "precision=16-mixed", "trainer.gradient_clip_val=1.0"],
-    "vit-2d-bf16": ["model=vit", "strategy=fsdp", "strategy.tensor_parallel_size=1", "precision=bf16-mixed"],
-    "vit-compile-bf16": ["model=vit", "compile=true", "precision=bf16-mixed"],
+    "vit-tp-foreach-bf16": ["model=bed_vit", "strategy=tp", "precision=bf16-mixed", "+model.optimizer.foreach=true"],
+    "vit-pp-bf16": ["model=bed_vit", "strategy=pp", "precision=bf16-mixed"],
+    "vit-tp-fp16": ["model=bed_vit", "strategy=tp", "precision=16-mixed"],
+    "vit-pp-fp16-clipped": ["model=bed_vit", "strategy=pp", "precision=16-mixed", "trainer.gradient_clip_val=1.0"],
+    "vit-2d-bf16": ["model=bed_vit", "strategy=fsdp", "strategy.tensor_parallel_size=1", "precision=bf16-mixed"],
+    "vit-compile-bf16": ["model=bed_vit", "compile=true", "precision=bf16-mixed"],
     "resnet18-fsdp-batchnorm-bf16": [*R18, "strategy=fsdp", "precision=bf16-mixed"],  # full examples
 }
 # Code written for Lightning (tests/foreign), 2 epochs on the digits: the peer template's module and DataModule, and
@@ -82,7 +82,7 @@ CODE_FOR_LIGHTNING = {
 def train_on_gpu(overrides: list[str], scratch: Path, env: dict | None = None) -> dict:
     log_dir = scratch / str(time.time_ns())
     first = ONE_GPU if env is None else [o for o in ONE_GPU if not o.startswith(("debug=", "trainer.max_epochs="))]
-    command = [sys.executable, str(ROOT / "train.py"), *first, *overrides, f"paths.log_dir={log_dir}"]
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed([*first, *overrides, f"paths.log_dir={log_dir}"])]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=with_env(env))
     metrics = next(log_dir.glob("**/metrics.json"), None)
     return {"code": proc.returncode, "stderr": proc.stderr[-3000:],

@@ -124,7 +124,7 @@ def test_the_projects_lines_reach_the_console_even_with_its_package_installed_as
         record = logging.LogRecord(name, logging.INFO, installed.format(name.split(".")[0]), 1, "a line", None, None)
         return console.Console().filter(record)
 
-    assert not shown("mynet.models.classifier") and not shown("lightning.pytorch.trainer")
-    console.show_project(compose_config([], tmp_path))  # model and data from mynet
-    assert console.PROJECT == {"mynet"} and shown("mynet.models.classifier")
+    assert not shown("bed.task") and not shown("lightning.pytorch.trainer")
+    console.show_project(compose_config([], tmp_path))  # model and data from the test bed's package
+    assert console.PROJECT == {"bed"} and shown("bed.task")
     assert not shown("lightning.pytorch.trainer")

@@ -1,33 +1,20 @@
-"""torchvision's reference-recipe knobs that work on any data, each doing what it says on a fixed batch or a
-composed config (the image-folder ones, crops and auto-augment, are in test_image_folder.py)."""
+"""torchvision's reference-recipe knobs of the engine that work on any data (mixing, weight averaging, repeated
+augmentation, sync_batchnorm), each doing what it says on a fixed batch or a composed config. The image-folder ones,
+crops and auto-augment, are in test_image_folder.py; the example task's (label smoothing, norm weight decay, the
+warm-up) in tests/examples/test_example_task.py."""
 
-import json
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
-from mynet.data.synthetic import SyntheticDataModule
-from mynet.models.classifier import Classifier
+from bed.data import RandomImages
+from bed.task import Classifier
+from conftest import compose_config, max_difference, model_weights, read_metrics, run_dirs, train
 from starter.data.base import batch_mixing
 from starter.errors import UserError
 from starter.preflight import prepare
-
-
-def classifier(**knobs) -> Classifier:
-    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.LayerNorm(8), nn.Linear(8, 10))
-    return Classifier(net, 10, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, weight_decay=0.5), **knobs)
-
-
-def test_label_smoothing_moves_the_loss_by_its_known_amount():
-    logits, labels = torch.randn(6, 10, generator=torch.Generator().manual_seed(0)), torch.arange(6)
-    plain = classifier().criterion(logits, labels)
-    smoothed = classifier(label_smoothing=0.1).criterion(logits, labels)
-    uniform = -F.log_softmax(logits, dim=-1).mean(dim=-1).mean()  # cross-entropy against the uniform target
-    assert smoothed.item() == pytest.approx(0.9 * plain.item() + 0.1 * uniform.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("mixup,cutmix", [(0.2, 0.0), (0.0, 1.0), (0.2, 1.0)])
@@ -42,12 +29,6 @@ def test_mixup_and_cutmix_give_soft_targets_whose_rows_sum_to_1_and_a_finite_los
     assert batch_mixing(0.0, 0.0, 10) is None  # off by default
 
 
-def test_norm_weight_decay_puts_norm_layers_in_their_own_group():
-    groups = classifier(norm_weight_decay=0.0).configure_optimizers().param_groups
-    assert [len(g["params"]) for g in groups] == [4, 2] and [g["weight_decay"] for g in groups] == [0.5, 0.0]
-    assert len(classifier().configure_optimizers().param_groups) == 1  # null: one group, as before
-
-
 @pytest.mark.parametrize("overrides,message", [
     (["strategy=ddp", "devices=2"], "sync_batchnorm=true needs GPUs: torch's SyncBatchNorm does not run on CPU"),
     (["strategy=fsdp", "devices=2"], "sync_batchnorm=true is for strategy=ddp or ddp_spawn, not strategy=fsdp"),
@@ -57,17 +38,6 @@ def test_sync_batchnorm_is_refused_where_it_cannot_run(overrides, message, tmp_p
     with pytest.raises(UserError, match=message):
         prepare(cfg)
     prepare(compose_config(["sync_batchnorm=true", "accelerator=cpu"], tmp_path))  # one process: nothing to sync
-
-
-def test_lr_warmup_rises_linearly_over_its_steps_then_follows_the_schedule(tmp_path, monkeypatch):
-    # 3 epochs of 5 steps, a cosine schedule over 3 epochs, 2 warm-up epochs: 10 steps from 0.01x to 1x
-    monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    rates = tmp_path / "rates.json"
-    train(tmp_path, "debug=limit", "test=false", "trainer.max_epochs=3", "model.lr_warmup_epochs=2",
-          "+callbacks.lr._target_=probes.RecordLearningRates", f"+callbacks.lr.output={rates}")  # fmt: skip
-    scheduled = [0.002 * (1 + math.cos(math.pi * (step // 5) / 3)) / 2 for step in range(15)]
-    factors = [0.01 + 0.99 * step / 10 if step < 10 else 1.0 for step in range(15)]
-    assert json.loads(rates.read_text()) == pytest.approx([s * f for s, f in zip(scheduled, factors)], rel=1e-6)
 
 
 def test_ema_weights_are_the_ones_validated_tested_and_exported(tmp_path):
@@ -144,6 +114,6 @@ def test_repeated_augmentation_puts_each_images_copies_on_consecutive_ranks_and_
         assert [list(s) for s in ranks] == [stream[0::2][:6], stream[1::2][:6]]
         assert len(ranks[0]) == len(ranks[1]) == 6  # 12 images // 2 ranks: as many steps as without it
         assert list(ranks[0])[0] == list(ranks[1])[0]  # the first image on both ranks, augmented twice
-    dm = SyntheticDataModule(batch_size=4, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8, ra_reps=2)
+    dm = RandomImages(batch_size=4, image_shape=[3, 8, 8], num_classes=4, train_size=16, eval_size=8, ra_reps=2)
     dm.setup()
     assert isinstance(dm.train_dataloader().batch_sampler.sampler, RepeatedAugmentationSampler)

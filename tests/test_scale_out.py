@@ -23,6 +23,7 @@ from conftest import (
     free_port,
     max_difference,
     model_weights,
+    on_bed,
     read_metrics,
     reaped,
     run_dirs,
@@ -56,8 +57,8 @@ def test_multirun_with_ddp_inside_gives_one_directory_per_job(tmp_path):
 def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_weights(tmp_path):
 
     job = ["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=3", "test=false"]  # killed in epoch 1 or 2
-    command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *job, "ckpt_path=auto",
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+    command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *on_bed([*job,
+               "ckpt_path=auto", f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with reaped(proc):
         wait_for_checkpoint(tmp_path, proc, epochs=1)
@@ -114,10 +115,10 @@ def test_an_elastic_job_takes_in_a_node_that_comes_and_goes_on_without_one_lost_
     rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
                   "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
     node = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", *rendezvous, str(ROOT / "train.py"),
-            "strategy=ddp", "accelerator=cpu", "ckpt_path=auto", "trainer.max_epochs=12",
+            *on_bed(["strategy=ddp", "accelerator=cpu", "ckpt_path=auto", "trainer.max_epochs=12",
             "trainer.limit_train_batches=5", "trainer.limit_val_batches=1", "test=false",
             "+callbacks.alone._target_=probes.AloneAtFirst", "+callbacks.alone.seconds=1",
-            f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+            f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
     out = tmp_path / "node_a.out"
     with out.open("w") as sink:  # node A serves the rendezvous (a node that stays: the c10d store's host)
         a = subprocess.Popen(node, cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.PIPE, text=True)
@@ -160,8 +161,8 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
     # 30 s to act on a SIGTERM it cannot see) and leaves with 124; the agent exits 1 (its code).
     port = free_port()
     command = [*TORCHRUN, "--nproc-per-node=2", f"--master-port={port}", "--rdzv-id=stopped", str(ROOT / "train.py"),
-               "strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
-               f"paths.log_dir={tmp_path / 'logs'}", *QUIET]  # fmt: skip
+               *on_bed(["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
+               f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with reaped(proc):
         wait_for_checkpoint(tmp_path, proc, epochs=1)
@@ -195,10 +196,7 @@ def test_two_single_process_nodes_on_hosts_of_their_own_train_like_one_process(r
                 f"--master_addr={hosts.address(0)}",
                 f"--master_port={port}",
                 str(ROOT / "train.py"),
-                "strategy=ddp",
-                *MLP_20_STEPS,
-                f"paths.log_dir={tmp_path / 'logs'}",
-                *QUIET,
+                *on_bed(["strategy=ddp", *MLP_20_STEPS, f"paths.log_dir={tmp_path / 'logs'}", *QUIET]),
             ],
             with_env(),
             cwd=tmp_path,
@@ -219,7 +217,7 @@ def test_two_single_process_nodes_on_hosts_of_their_own_train_like_one_process(r
         1,
         0,
     ]
-    assert [text.count("train: data=digits model=mlp") for text in said] == [1, 0]
+    assert [text.count("train: data=bed_digits model=bed_mlp") for text in said] == [1, 0]
     (run_dir,) = run_dirs(tmp_path)  # one directory: the nodes share rank 0's run name
     assert "num_nodes: 2" in (run_dir / "config.yaml").read_text() and (run_dir / "metrics.json").is_file()
     assert max_difference(reference_weights, model_weights(run_dir)) <= 1e-5  # float summation order only

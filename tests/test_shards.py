@@ -29,6 +29,7 @@ from conftest import (
     free_port,
     max_difference,
     model_weights,
+    on_bed,
     read_metrics,
     run_dirs,
     start_all,
@@ -61,11 +62,11 @@ def digit_shards(tmp_path_factory) -> Path:
 def test_make_shards_writes_each_split_as_its_data_set_holds_it_and_never_twice(digit_shards):
     from litdata import StreamingDataset
 
-    from mynet.data.digits import DigitsDataModule
+    from bed.data import Digits
     from starter.data.image_files import decode_image_data
 
     described = json.loads((digit_shards / "shards.json").read_text())
-    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)
+    digits = Digits(image_shape=[1, 8, 8], num_classes=10)
     digits.setup()
     assert described["splits"] == {"train": 1257, "val": 269, "test": 271}
     assert described["mean"] == [digits.mean[0]] and described["classes"] == digits.classes
@@ -128,7 +129,7 @@ def test_an_image_folder_trains_from_its_shards_as_from_its_files_with_loader_wo
     made = make_shards(tmp_path / "shards", *folder[:-1])  # the class count read from the folders, as train.py does
     assert made.returncode == 0, made.stderr[-3000:]
     assert json.loads((tmp_path / "shards" / "shards.json").read_text())["num_classes"] == 3
-    run = ["model=cnn", "accelerator=cpu", "trainer.max_epochs=1", "data.batch_size=6", "data.num_workers=2",
+    run = ["model=bed_cnn", "accelerator=cpu", "trainer.max_epochs=1", "data.batch_size=6", "data.num_workers=2",
            "data.image_shape=[3,32,32]", "model.optimizer._target_=torch.optim.SGD"]  # fmt: skip
     from_files = trained_weights(tmp_path / "files", *folder, *run)
     from_shards = trained_weights(tmp_path / "from_shards", "data=shards", f"data.source={tmp_path / 'shards'}", *run)
@@ -390,7 +391,8 @@ def test_a_set_on_an_object_store_trains_as_from_its_source_each_chunk_fetched_o
 def test_two_nodes_train_from_an_object_store_each_fetching_each_chunk_once(s3, reference_weights, tmp_path):
     before, port = s3.gets("digits"), free_port()
     source = ["data.source=s3://shards/digits", f"paths.log_dir={tmp_path / 'logs'}", *QUIET]
-    command = [sys.executable, str(ROOT / "train.py"), "strategy=ddp", "devices=1", "num_nodes=2", *MLP_20_STEPS]
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed(["strategy=ddp", "devices=1", "num_nodes=2",
+               *MLP_20_STEPS])]  # fmt: skip
     rendezvous = with_env(s3.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # the same command on each node; each node's own disk: its own home, where litdata keeps its cache
     nodes = [
@@ -565,7 +567,7 @@ def test_decoding_on_the_device_gives_evaluation_the_images_the_loader_workers_g
 def test_a_run_decoding_on_the_device_trains_under_ddp_and_evaluates_as_the_workers_decode(tmp_path):
     root = make_image_folder(tmp_path)
     folder = ["data=imagenet", f"data.root={root}", "data.image_shape=[3,32,32]", "data.num_classes=3",
-              "model=cnn", "data.batch_size=6", "accelerator=cpu"]  # fmt: skip
+              "model=bed_cnn", "data.batch_size=6", "accelerator=cpu"]  # fmt: skip
     train(tmp_path / "fit", *folder, "data.decode=gpu", "strategy=ddp", "devices=2", "data.num_workers=1",
           "trainer.max_epochs=1")  # fmt: skip
     (run_dir,) = run_dirs(tmp_path / "fit")

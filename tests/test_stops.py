@@ -16,14 +16,15 @@ from subprocess import PIPE, Popen
 import pytest
 import torch
 
-from conftest import QUIET, ROOT, descendants, on_cpu, train, wait_for_checkpoint, with_env, worker_of_rank
+from conftest import QUIET, ROOT, descendants, on_bed, on_cpu, train, wait_for_checkpoint, with_env, worker_of_rank
 from starter.process_state import gone, process_state
 
 pytestmark = pytest.mark.slow
 
 
 def start(tmp_path: Path, *overrides: str, script: str = "train.py", env=None) -> Popen:
-    command = [sys.executable, str(ROOT / script), f"paths.log_dir={tmp_path / 'logs'}", *on_cpu(overrides)]
+    overrides = [f"paths.log_dir={tmp_path / 'logs'}", *on_cpu(overrides)]
+    command = [sys.executable, str(ROOT / script), *(on_bed(overrides) if script == "train.py" else overrides)]
     return Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(env))
 
 
@@ -272,8 +273,8 @@ def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
     import resource
 
     limit = 200 * 1024
-    command = [sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path / 'logs'}", "debug=limit",
-               "trainer.max_epochs=1", *on_cpu([])]  # fmt: skip
+    command = [sys.executable, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={tmp_path / 'logs'}", "debug=limit",
+               "trainer.max_epochs=1", *on_cpu([])])]  # fmt: skip
     proc = subprocess.run(command, cwd=tmp_path, env=with_env(), capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, compose_config, max_difference, model_weights, read_metrics, run_dirs, train
+from conftest import ROOT, compose_config, on_bed, read_metrics, run_dirs, train
 
 LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
 
@@ -72,7 +72,7 @@ def test_a_healthy_run_prints_what_runs_its_epochs_the_tested_checkpoint_the_tab
     relative = Path(os.path.relpath(run_dir, run_dir.parents[3]))  # the test ran in the logs' parent directory
     best = f"epoch {best_epoch(run_dir)}, val/acc {read_metrics(run_dir)['val/acc_best']:.4g}"
     assert said == [
-        f"train: data=digits model=mlp strategy=auto precision=32, 1 process on cpu -> {relative}",
+        f"train: data=bed_digits model=bed_mlp strategy=auto precision=32, 1 process on cpu -> {relative}",
         f"testing checkpoints/best.ckpt ({best})",
         f"run directory: {relative}",
     ]
@@ -110,8 +110,9 @@ def test_progress_bar_on_a_terminal_is_redrawn_a_few_times_a_second_not_at_every
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"paths.log_dir={tmp_path}", "accelerator=cpu",
-                             "data.batch_size=8", "trainer.max_epochs=2", "test=false"], stdout=terminal,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={tmp_path}",
+                             "accelerator=cpu", "data.batch_size=8", "trainer.max_epochs=2", "test=false"])],
+                            stdout=terminal,
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
     os.close(terminal)
     output = b""
@@ -138,7 +139,7 @@ def test_checkpoints_load_with_torch_weights_only_and_plain_keys(default_run):
     checkpoint = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=True)  # torch's default since 2.6
     keys = list(checkpoint["state_dict"])
     assert keys and all(k.startswith("net.") for k in keys)
-    from mynet.models.nets.mlp import MLP
+    from bed.nets import MLP
 
     net = MLP([1, 8, 8], 10)
     net.load_state_dict({k.removeprefix("net."): v for k, v in keys_values(checkpoint)})
@@ -168,38 +169,12 @@ def test_ckpt_path_last_resumes_the_newest_run(default_run):
 
 
 def test_the_vision_transformer_trains_the_digits_to_95_percent(tmp_path):
-    train(tmp_path, "model=vit")  # the default trainer: 20 epochs
+    train(tmp_path, "model=bed_vit")  # the default trainer: 20 epochs
     assert read_metrics(run_dirs(tmp_path)[0])["test/acc"] >= 0.95
 
 
-def test_mnist_cnn_trains_from_local_files(mnist_dir, tmp_path):
-    train(tmp_path, "data=mnist", "model=cnn", f"paths.data_dir={mnist_dir}", "data.download=false",
-          "data.val_size=40", "data.batch_size=20", "trainer.max_epochs=3")  # fmt: skip
-    (run_dir,) = run_dirs(tmp_path)
-    assert read_metrics(run_dir)["test/acc"] >= 0.6  # the label is a bright bar: learnable in 3 short epochs
-
-
-def test_missing_mnist_is_one_clear_error(tmp_path):
-    proc = train(tmp_path, "data=mnist", f"paths.data_dir={tmp_path / 'empty'}", "data.download=false",
-                 expect_ok=False)  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: MNIST not found in {tmp_path / 'empty'}")
-    assert "Traceback" not in proc.stderr
-
-
-def test_synthetic_data_trains_the_same_with_its_pool_on_the_device(tmp_path):
-    # data.on_device=true: the loader yields pool indices and the batch is gathered on the compute device
-    common = ["data=synthetic", "model=cnn", "data.image_shape=[3,32,32]", "data.num_classes=10",
-              "data.train_size=32", "data.eval_size=16", "data.batch_size=8", "trainer.max_epochs=1"]  # fmt: skip
-    train(tmp_path / "host", *common)
-    train(tmp_path / "device", *common, "data.on_device=true")
-    host, device = (run_dirs(tmp_path / where)[0] for where in ("host", "device"))
-    assert read_metrics(host)["test/acc"] == read_metrics(device)["test/acc"]
-    assert max_difference(model_weights(host), model_weights(device)) == 0.0
-
-
 def test_multirun_gives_each_job_its_own_directory(tmp_path):
-    proc = train(tmp_path, "-m", "model=mlp,cnn", "seed=1,2", *LIMIT)
+    proc = train(tmp_path, "-m", "model=bed_mlp,bed_cnn", "seed=1,2", *LIMIT)
     sweeps = list((tmp_path / "logs" / "train" / "multiruns").glob("*"))
     assert len(sweeps) == 1
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir() and p.name.isdigit())
@@ -207,7 +182,7 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
     seen = set()
     for job in jobs:
         cfg = (job / "config.yaml").read_text()
-        seen.add((cfg.split("seed: ")[1].split()[0], "CNN" if "nets.cnn.CNN" in cfg else "MLP"))
+        seen.add((cfg.split("seed: ")[1].split()[0], "CNN" if "nets.CNN" in cfg else "MLP"))
         assert (job / "metrics.json").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
     assert seen == {("1", "MLP"), ("2", "MLP"), ("1", "CNN"), ("2", "CNN")}
     assert not (tmp_path / "logs" / "train" / "runs").exists() and proc.returncode == 0
@@ -218,7 +193,7 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
     assert [float(r["val/acc"]) for r in rows] == values and [r["run_dir"] for r in rows] == [str(j) for j in jobs]
     assert [int(r["best"]) for r in rows] == [int(v == max(values)) for v in values]
     swept = [" ".join(o for o in r["overrides"].split() if o.startswith(("model=", "seed="))) for r in rows]
-    assert swept == ["model=mlp seed=1", "model=mlp seed=2", "model=cnn seed=1", "model=cnn seed=2"]
+    assert swept == ["model=bed_mlp seed=1", "model=bed_mlp seed=2", "model=bed_cnn seed=1", "model=bed_cnn seed=2"]
     table = proc.stdout[proc.stdout.index("sweep of 4 job(s) by val/acc, the highest marked *:") :].splitlines()
     best = values.index(max(values))  # each row: the overrides that differ between the jobs
     assert table[1 + best].startswith(f"* job {best}   {swept[best]}  {values[best]:.4g}")
@@ -235,25 +210,36 @@ def test_bad_config_exits_2_with_one_line_and_no_run_started(tmp_path):
     assert not list(tmp_path.glob("logs/train/runs/*"))  # a run refused before it started leaves no directory
 
 
+def no_such(given: str, *more: str) -> str:
+    """The line for an unknown option `given` (group=option): the project's options of its group (conf/), and `more`."""
+    group = given.split("=")[0]
+    options = sorted([*(p.stem for p in (ROOT / "conf" / group).glob("*.yaml")), *more])
+    return f"{given}: no such option; choose one of {', '.join(options)}"
+
+
+FOREIGN_CONF = ROOT / "tests" / "foreign" / "conf"
+FOREIGN_DATA = ["dict_digits", "template_digits", "token_stream"]
+
+
 @pytest.mark.parametrize(
     "script,overrides,line",
     [
-        ("train.py", ["strategy=fdsp"], "strategy=fdsp: no such option; choose one of auto, ddp, ddp_spawn, dp, fsdp,"),
-        ("train.py", ["-m", "seed=1,2", "model=mlp,cnn,mpl"], "model=mpl: no such option; choose one of cnn, mlp,"),
-        ("train.py", ["-m", "model=mpl", "seed=1,2"], "model=mpl: no such option; choose one of cnn, mlp,"),
-        ("train.py", ["data=null"], "data=null: no such option; choose one of digits, imagenet, mnist, none, shards,"),
+        ("train.py", ["strategy=fdsp"], no_such("strategy=fdsp")),
+        ("train.py", ["-m", "seed=1,2", "model=mpl,nope"], no_such("model=mpl")),
+        ("train.py", ["-m", "model=mpl", "seed=1,2"], no_such("model=mpl")),
+        ("train.py", ["data=null"], no_such("data=null")),
         # --config-dir=DIR (Hydra's = form) is searched, and the overrides after it are read
         (
             "train.py",
-            [f"--config-dir={ROOT / 'tests' / 'foreign' / 'conf'}", "trainer.max_epochs=1", "data=dict_digit"],
-            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards,",
+            [f"--config-dir={FOREIGN_CONF}", "trainer.max_epochs=1", "data=dict_digit"],
+            no_such("data=dict_digit", *FOREIGN_DATA),
         ),
-        ("predict.py", ["strategy=dpp", "inputs=x"], "strategy=dpp: no such option; choose one of auto, ddp,"),
+        ("predict.py", ["strategy=dpp", "inputs=x"], no_such("strategy=dpp")),
         # a config folder of one's own adds its options (tests/foreign/conf: data=dict_digits, ...)
         (
             "train.py",
-            [f"hydra.searchpath=[file://{ROOT / 'tests' / 'foreign' / 'conf'}]", "data=dict_digit"],
-            "data=dict_digit: no such option; choose one of dict_digits, digits, imagenet, mnist, none, shards,",
+            [f"hydra.searchpath=[file://{FOREIGN_CONF}]", "data=dict_digit"],
+            no_such("data=dict_digit", *FOREIGN_DATA),
         ),
     ],
 )

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bed.data import Digits
 from conftest import (
+    BED,
     CONF,
     compose_config,
     correct,
@@ -22,7 +24,6 @@ from conftest import (
     train,
     trained_weights,
 )
-from mynet.data.digits import DigitsDataModule
 
 
 def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, digit_files, tmp_path):
@@ -31,7 +32,7 @@ def test_predicting_the_test_split_gives_the_runs_test_accuracy(default_run, dig
     rows = predictions(proc)
     assert [r["path"] for r in rows] == sorted(str(p) for p in digit_files.iterdir())  # each once, in input order
     record = torch.load(run_dir / "checkpoints" / "model.pt", weights_only=True)["inference"]
-    digits = DigitsDataModule(image_shape=[1, 8, 8], num_classes=10)  # the run's data: its training split's statistics
+    digits = Digits(image_shape=[1, 8, 8], num_classes=10)  # the run's data: its training split's statistics
     digits.setup()
     images = digits.train_set.images.float() / 255
     assert record["mean"] == [pytest.approx(float(images.mean()))]
@@ -56,11 +57,9 @@ def test_predicting_under_ddp_gives_every_file_once_in_input_order(default_run, 
     assert correct(rows) == round(read_metrics(run_dir)["test/acc"] * 271)
 
 
-NETS = ["mlp", "cnn", "vit"]  # every shipped net
-NETS += ["resnet18", "resnet50", "vit_s16"]  # full examples
-EXPORTED_AS = {}  # a net's overrides in the export test
-EXPORTED_AS["vit_s16"] = ["model.net.depth=2"]  # 12 copies of one block trace as 2 do, 6x faster  # full examples
-IMAGES_224 = ["data=synthetic", "data.num_classes=10"]  # 3 x 224 x 224
+NETS = ["bed_mlp", "bed_cnn", "bed_vit"]  # the test bed's (the examples' nets: tests/examples/test_example_nets.py)
+IMAGES_224 = ["data=bed_images", "data.num_classes=10"]  # 3 x 224 x 224
+CONFIG_DIRS = (CONF, BED / "conf")  # what a run on the test bed records: the folders whose model/ configs count
 
 
 def weights_file(tmp_path, model: str, *overrides: str):
@@ -79,7 +78,7 @@ def weights_file(tmp_path, model: str, *overrides: str):
     return path
 
 
-def export(tmp_path, path, fmt: str, config_dirs=(CONF,)):
+def export(tmp_path, path, fmt: str, config_dirs=CONFIG_DIRS):
     from omegaconf import OmegaConf
 
     from starter.export import export
@@ -96,8 +95,12 @@ def export(tmp_path, path, fmt: str, config_dirs=(CONF,)):
 @pytest.mark.parametrize("fmt", ["onnx", "torch_export"])
 @pytest.mark.parametrize("model", NETS)
 def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logits(model, fmt, tmp_path, capsys):
-    large = model not in ("mlp", "cnn", "vit")
-    path = weights_file(tmp_path, model, *(IMAGES_224 if large else []), *EXPORTED_AS.get(model, []))
+    exports_the_models_logits(tmp_path, capsys, model, fmt)
+
+
+def exports_the_models_logits(tmp_path, capsys, model: str, fmt: str, *overrides: str, large: bool = False) -> None:
+    """`model` (on the default data, or `large`: 224x224 images) exported as `fmt` takes pixels and gives its logits."""
+    path = weights_file(tmp_path, model, *(IMAGES_224 if large else []), *overrides)
     exported = export(tmp_path, path, fmt)
     said = capsys.readouterr().out  # checked before it is called done, on a batch of 3 (traced with 2)
     assert re.search(r"checked on a batch of 3 against the model: largest difference \S+", said), said
@@ -116,7 +119,7 @@ def test_every_net_exports_to_a_file_that_takes_pixels_and_gives_the_models_logi
         got = torch.from_numpy(session.run(None, {"images": pixels.numpy()})[0])
     from starter.checkpointing.inference import load_for_inference
 
-    model_, record = load_for_inference(path, [CONF])
+    model_, record = load_for_inference(path, list(CONFIG_DIRS))
     mean, std = (torch.tensor(record[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     with torch.no_grad():
         expected = model_((pixels.float() / 255 - mean) / std)
@@ -127,7 +130,7 @@ def test_an_onnx_model_past_the_limit_keeps_its_weights_beside_it_and_says_so(tm
     import starter.export
 
     monkeypatch.setattr(starter.export, "ONNX_INSIDE_LIMIT", 1)  # as if the MLP's weights passed ONNX's 2 GB
-    exported = export(tmp_path, weights_file(tmp_path, "mlp"), "onnx")
+    exported = export(tmp_path, weights_file(tmp_path, "bed_mlp"), "onnx")
     assert sorted(p.name for p in exported.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
     assert "GB of weights in model.onnx.data: move the two together)" in capsys.readouterr().out
 
@@ -146,7 +149,7 @@ def test_a_net_that_cannot_be_exported_as_it_is_is_refused_in_one_line(net, fmt,
 
     path = weights_file(
         tmp_path,
-        "mlp",
+        "bed_mlp",
         f"model.net._target_=probes.{net}",
         "~model.net.width",
         "~model.net.depth",
@@ -156,7 +159,7 @@ def test_a_net_that_cannot_be_exported_as_it_is_is_refused_in_one_line(net, fmt,
     (own / "model").mkdir(parents=True)
     (own / "model" / "probe.yaml").write_text(f"net:\n  _target_: probes.{net}\n")
     with pytest.raises(UserError, match=refused):
-        export(tmp_path, path, fmt, (CONF, own))
+        export(tmp_path, path, fmt, (*CONFIG_DIRS, own))
     assert not list((tmp_path / fmt).iterdir())  # nothing half-made is left
 
 
@@ -165,7 +168,7 @@ ZERO_EPOCHS = ["trainer.max_epochs=0", "test=false"]  # model.pt: the weights a 
 
 def test_init_from_starts_from_weights_only_a_head_of_another_class_count_fresh_and_said(default_run, tmp_path):
     _, run_dir, _ = default_run
-    five = ["data=synthetic", "data.image_shape=[1,8,8]", "data.num_classes=5", "data.train_size=64"]
+    five = ["data=bed_images", "data.image_shape=[1,8,8]", "data.num_classes=5", "data.train_size=64"]
     proc = train(tmp_path / "run", *ZERO_EPOCHS, *five, f"init_from={run_dir / 'checkpoints' / 'model.pt'}")
     assert "its head (net.5) has 10 outputs, this model 5 classes: the head starts freshly initialised" in proc.stdout
     source, started = model_weights(run_dir), model_weights(run_dirs(tmp_path / "run")[0])
@@ -176,7 +179,9 @@ def test_init_from_starts_from_weights_only_a_head_of_another_class_count_fresh_
     torch.save(net_only, tmp_path / "net.pt")
     train(tmp_path / "plain", *ZERO_EPOCHS, f"init_from={tmp_path / 'net.pt'}")
     assert all(torch.equal(source[k], v) for k, v in model_weights(run_dirs(tmp_path / "plain")[0]).items())
-    other = train(tmp_path / "other", *ZERO_EPOCHS, "model=cnn", f"init_from={tmp_path / 'net.pt'}", expect_ok=False)
+    other = train(
+        tmp_path / "other", *ZERO_EPOCHS, "model=bed_cnn", f"init_from={tmp_path / 'net.pt'}", expect_ok=False
+    )
     assert other.returncode == 2 and "holds weights of another model (missing ['net.0.bias'" in other.stderr
 
 
@@ -259,7 +264,7 @@ def test_a_record_whose_arguments_fetch_or_read_rebuilds_the_model_without_them(
 def test_a_record_key_no_model_config_declares_is_left_out_and_said(tmp_path, caplog):
     from starter import load_module
 
-    path = weights_file(tmp_path, "mlp")  # trained with +model.optimizer.foreach=true, say: inference needs it not
+    path = weights_file(tmp_path, "bed_mlp")  # trained with +model.optimizer.foreach=true, say: inference needs it not
     saved = torch.load(path, weights_only=True)
     saved["inference"]["model"]["optimizer"]["foreach"] = True
     torch.save(saved, path)
@@ -294,21 +299,6 @@ def test_a_record_supplies_only_plain_values_for_what_the_model_configs_here_dec
 
 
 # full examples: begin
-def test_the_model_summary_leaves_the_weights_it_describes_as_they_were_loaded(tmp_path):
-    # a resnet18 started from weights whose BatchNorm statistics are 2.0 and 5.0, trained 0 steps, with its summary
-    data = ["model=resnet18", "data=synthetic", "data.image_shape=[3,32,32]", "data.num_classes=4", "test=false"]
-    start = trained_weights(tmp_path / "start", *data, "trainer.max_epochs=0")
-    stats = {k: torch.full_like(v, 2.0 if k.endswith("running_mean") else 5.0) for k, v in start.items()
-             if k.endswith(("running_mean", "running_var"))}  # fmt: skip
-    torch.save({**start, **stats}, tmp_path / "loaded.pt")
-    summarised = [
-        "trainer.enable_model_summary=true",
-        "trainer.limit_train_batches=0",
-        f"init_from={tmp_path / 'loaded.pt'}",
-    ]
-    after = trained_weights(tmp_path / "run", *data, *summarised)
-    assert all(torch.equal(after[k], v) for k, v in stats.items())
-    assert all(int(v) == 0 for k, v in after.items() if k.endswith("num_batches_tracked"))
 
 
 # full examples: end
@@ -359,18 +349,3 @@ def test_bad_inputs_are_one_line_or_skipped_and_counted(default_run, digit_files
     torch.save({"net.0.weight": torch.zeros(1)}, tmp_path / "foreign.pt")  # weights without their inference record
     proc = predict(tmp_path / "d", f"ckpt_path={tmp_path / 'foreign.pt'}", f"inputs={mixed}", expect_ok=False)
     assert proc.returncode == 2 and "holds no inference record" in proc.stderr
-
-
-def test_a_timm_model_by_name_starts_from_a_local_weights_file(tmp_path):
-    timm = pytest.importorskip("timm", reason="the timm extra: pip install -e '.[timm]'")
-    published = timm.create_model("mobilenetv3_small_100").state_dict()  # 1000 classes, as a downloaded file
-    torch.save(published, tmp_path / "weights.pth")
-    train(tmp_path, *ZERO_EPOCHS, "model=timm", "model.net.pretrained=true",
-          f"+model.net.pretrained_cfg_overlay.file={tmp_path / 'weights.pth'}", "data=synthetic",
-          "data.image_shape=[3,32,32]", "data.num_classes=5", "data.train_size=64")  # fmt: skip
-    started = model_weights(run_dirs(tmp_path)[0])
-    kept = [k for k in published if not k.startswith("classifier.")]  # timm gives 5 classes a new head itself
-    assert (
-        all(torch.equal(published[k], started[f"net.{k}"]) for k in kept)
-        and started["net.classifier.weight"].shape[0] == 5
-    )

@@ -54,7 +54,7 @@ DATA = '''
 import torch
 
 from starter.data.base import ShardedDataModule
-from mynet.data.in_memory import TensorPairs
+from bed.data import TensorPairs
 
 
 class Brightness(ShardedDataModule):
@@ -309,6 +309,6 @@ def test_the_tensor_parallel_plan_is_read_off_the_structure_or_declared_and_a_ne
     lacks = "nothing to split in Convolutions: it needs attention blocks with Linear children q, k, v and proj"
     with pytest.raises(UserError, match=f"tensor parallel found {lacks}, MLP blocks with fc1 and fc2"):
         apply_tensor_parallel(torch.nn.Sequential(Convolutions()), mesh=None)
-    vit = instantiate(compose_config(["model=vit"], own / "run").model.net)  # 4 heads of 24 features
+    vit = instantiate(compose_config(["model=bed_vit"], own / "run").model.net)  # 4 heads of 24 features
     with pytest.raises(UserError, match="has 4 attention heads, which do not split over 3 tensor-parallel processes"):
         check_splits(vit, tensor_parallel_plan(vit), 3)

@@ -14,8 +14,8 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.process_group import create_store_client
 
-from mynet.models.classifier import Classifier
-from mynet.models.nets.mlp import MLP
+from bed.nets import MLP
+from bed.task import Classifier
 
 lighthouse, seconds = sys.argv[1], float(sys.argv[2])
 module = Classifier(MLP([1, 8, 8], 10), 10, partial(torch.optim.AdamW, lr=0.002))
