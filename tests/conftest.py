@@ -38,16 +38,18 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 PROBES = {"PYTHONPATH": str(ROOT / "tests")}  # the environment of a run that adds callbacks from tests/probes.py
 BED = ROOT / "tests" / "bed"  # the engine's tests' own task, nets and data (tests/bed/__init__.py)
 BED_DEFAULTS = {"model": "bed_mlp", "data": "bed_digits"}
+CONFIG_DIRS = (CONF, BED / "conf")  # a run on the bed: the folders whose model configs its checkpoints may use
 
 
-def on_bed(overrides) -> list[str]:
-    """Overrides of a train.py run on the test bed: its options on the config search path (with any given there), and
+def on_bed(overrides, script: str = "train.py") -> list[str]:
+    """Overrides of a run on the test bed: its options on the config search path (with any given there); for train.py,
     its model and data where the run names none (nor an experiment, which names its own)."""
     overrides = list(overrides)
     given = [o for o in overrides if o.startswith("hydra.searchpath=")]
     paths = [path for o in given for path in o.split("=", 1)[1].strip("[]").split(",") if path]
     named = {o.split("=", 1)[0].lstrip("~+") for o in overrides if not o.startswith("-")}
-    defaults = [] if "experiment" in named else [f"{g}={o}" for g, o in BED_DEFAULTS.items() if g not in named]
+    chosen = script == "train.py" and "experiment" not in named
+    defaults = [f"{g}={o}" for g, o in BED_DEFAULTS.items() if g not in named] if chosen else []
     searchpath = "hydra.searchpath=[" + ",".join([*paths, f"file://{BED / 'conf'}"]) + "]"
     return [*(o for o in overrides if o not in given), searchpath, *defaults]
 
@@ -219,8 +221,7 @@ def train(tmp_path: Path, *overrides: str, expect_ok: bool = True, env: dict | N
     flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: Hydra wants flags before overrides
     quiet = QUIET if script == "train.py" else []
     overrides = [f"paths.log_dir={tmp_path / 'logs'}", *quiet, *on_cpu(o for o in overrides if not o.startswith("-"))]
-    if script == "train.py":
-        overrides = on_bed(overrides)
+    overrides = on_bed(overrides, script)
     if runs_here(overrides, flags, env):
         proc = train_here(tmp_path, [*flags, *overrides], script, timeout)
     else:

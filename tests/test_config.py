@@ -284,6 +284,7 @@ REFUSED_AS_BUILT = [
     ("+trainer.foo=1", "trainer: TypeError: Trainer.__init__() got an unexpected keyword argument 'foo'"),
     ("+callbacks.x._target_=lightning.pytorch.callbacks.EarlyStopping", "callbacks.x: TypeError: EarlyStopping."),
     ("callbacks.best_checkpoint.mode=maxx", "Lightning: `mode` can be min, max but got maxx"),
+    ("data.split=[0.5,0.5]", "data.split=[0.5, 0.5]: give three fractions (train, val, test) that sum to 1"),
 ]
 
 

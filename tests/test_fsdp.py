@@ -12,7 +12,19 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import PROBES, ROOT, Planted, model_weights, plant, predict, predictions, read_metrics, run_dirs, train
+from conftest import (
+    CONFIG_DIRS,
+    PROBES,
+    ROOT,
+    Planted,
+    model_weights,
+    plant,
+    predict,
+    predictions,
+    read_metrics,
+    run_dirs,
+    train,
+)
 from starter.checkpointing.sharded import point_atomically
 
 pytestmark = pytest.mark.slow
@@ -100,11 +112,12 @@ def test_a_run_of_any_strategy_gives_its_trained_module_back_in_one_call(short_r
     import starter
 
     run_dir = short_runs["fsdp"]  # its best.ckpt: a sharded directory
-    module = starter.load_module(run_dir)
+    module = starter.load_module(run_dir, CONFIG_DIRS)
     best = module.state_dict()
-    saved = starter.load_module(run_dir / "checkpoints" / "model.pt").state_dict()
+    saved = starter.load_module(run_dir / "checkpoints" / "model.pt", CONFIG_DIRS).state_dict()
     assert type(module).__name__ == "Classifier" and best.keys() == saved.keys()
-    assert torch.equal(starter.load_module(run_dir / "checkpoints" / "last.ckpt").net[1].weight, saved["net.1.weight"])
+    last = starter.load_module(run_dir / "checkpoints" / "last.ckpt", CONFIG_DIRS)
+    assert torch.equal(last.net[1].weight, saved["net.1.weight"])
 
 
 def test_fsdp_resumes_from_its_sharded_checkpoint(short_runs, tmp_path):

@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import (
-    CONF,
+    CONFIG_DIRS,
     PROBES,
     SMALL_VIT_20_STEPS,
     compose_config,
@@ -96,7 +96,7 @@ def assert_loads_whole_for_inference(run_dir) -> None:
     and export.py use: the same weights as its model.pt."""
     from starter.checkpointing.inference import load_for_inference
 
-    model, record = load_for_inference(run_dir / "checkpoints" / "last.ckpt", [CONF])
+    model, record = load_for_inference(run_dir / "checkpoints" / "last.ckpt", list(CONFIG_DIRS))
     assert max_difference(model.state_dict(), model_weights(run_dir)) == 0.0 and record["classes"][9] == "9"
 
 

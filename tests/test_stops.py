@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def start(tmp_path: Path, *overrides: str, script: str = "train.py", env=None) -> Popen:
     overrides = [f"paths.log_dir={tmp_path / 'logs'}", *on_cpu(overrides)]
-    command = [sys.executable, str(ROOT / script), *(on_bed(overrides) if script == "train.py" else overrides)]
+    command = [sys.executable, str(ROOT / script), *on_bed(overrides, script)]
     return Popen(command, cwd=tmp_path, stdout=PIPE, stderr=PIPE, text=True, env=with_env(env))
 
 

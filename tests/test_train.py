@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, compose_config, on_bed, read_metrics, run_dirs, train
+from conftest import ROOT, compose_config, on_bed, read_metrics, run_dirs, train, with_env
 
 LIMIT = ["debug=limit"]  # 2 epochs of 5 batches: enough to prove a path runs, not to learn
 
@@ -112,7 +112,7 @@ def test_progress_bar_on_a_terminal_is_redrawn_a_few_times_a_second_not_at_every
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *on_bed([f"paths.log_dir={tmp_path}",
                              "accelerator=cpu", "data.batch_size=8", "trainer.max_epochs=2", "test=false"])],
-                            stdout=terminal,
+                            stdout=terminal, env=with_env(),
                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)  # fmt: skip
     os.close(terminal)
     output = b""

@@ -12,8 +12,7 @@ import torch
 
 from bed.data import Digits
 from conftest import (
-    BED,
-    CONF,
+    CONFIG_DIRS,
     compose_config,
     correct,
     model_weights,
@@ -59,7 +58,6 @@ def test_predicting_under_ddp_gives_every_file_once_in_input_order(default_run, 
 
 NETS = ["bed_mlp", "bed_cnn", "bed_vit"]  # the test bed's (the examples' nets: tests/examples/test_example_nets.py)
 IMAGES_224 = ["data=bed_images", "data.num_classes=10"]  # 3 x 224 x 224
-CONFIG_DIRS = (CONF, BED / "conf")  # what a run on the test bed records: the folders whose model/ configs count
 
 
 def weights_file(tmp_path, model: str, *overrides: str):
@@ -269,7 +267,7 @@ def test_a_record_key_no_model_config_declares_is_left_out_and_said(tmp_path, ca
     saved["inference"]["model"]["optimizer"]["foreach"] = True
     torch.save(saved, path)
     with caplog.at_level("INFO"):
-        load_module(path)
+        load_module(path, CONFIG_DIRS)
     assert f"ckpt_path={path}: its inference record's model.optimizer.foreach is declared by no model config here" \
         in caplog.text  # fmt: skip
 

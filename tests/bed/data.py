@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from starter.data.base import ShardedDataModule
+from starter.errors import UserError
 
 
 def already_batched(batch):
@@ -39,6 +40,8 @@ class Digits(ShardedDataModule):
 
     def __init__(self, batch_size: int = 64, split=(0.7, 0.15, 0.15), seed: int = 42, **kwargs):
         super().__init__(batch_size=batch_size, seed=seed, **kwargs)
+        if len(split) != 3 or abs(sum(split) - 1) > 1e-6:
+            raise UserError(f"data.split={list(split)}: give three fractions (train, val, test) that sum to 1")
         self.split = tuple(split)
 
     def setup(self, stage: str | None = None) -> None:
