@@ -125,8 +125,81 @@ def main(package: str, title: str, examples: str = "full", template: str | None 
             renamed = re.sub(r"\A# .*", f"# {title}", renamed)
         if renamed != text:
             path.write_text(renamed)
+    if held is not None:
+        carry_edits_of_dropped_files(root, Path(template), package, held, examples == "full")
     shutil.rmtree(root / ".copier")
     relock(root)
+
+
+def git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True)
+
+
+def carry_edits_of_dropped_files(root: Path, template: Path, package: str, held: set[Path], full: bool) -> None:
+    """At `copier update`: copier deletes every file the project's last template version had and this one lacks,
+    edited or not, without a word. Each such file the user edited (its committed text is not what that version made
+    of it) is merged into its new place where the engine now has it (src/<package>/X -> src/starter/X, the move to
+    two packages; conflicts left as git's markers), or else kept beside as X.yours; said in a line each."""
+    answers = git(root, "show", "HEAD:.copier-answers.yml")
+    last = re.search(rb"^_commit: (\S+)$", answers.stdout, re.MULTILINE)
+    if answers.returncode != 0 or last is None:
+        return  # a copy, not an update
+    old = last.group(1).decode()
+    if git(template, "cat-file", "-e", f"{old}^{{commit}}").returncode != 0:
+        print(f"copier update: the template's checkout lacks {old} (this project's last version): edits to files the"
+              " template has dropped since are not carried; `git diff HEAD` shows what the update deleted")  # fmt: skip
+        return
+    task = git(template, "show", f"{old}:.copier/make_project.py").stdout.decode()
+    named = re.search(r'^TEMPLATE_PACKAGE = "(\w+)"', task, re.MULTILINE)
+    old_package = named.group(1) if named else TEMPLATE_PACKAGE
+    anywhere = "re.IGNORECASE" in task  # the first tasks renamed it anywhere in a word, in any case
+
+    def made(text: str) -> str:  # what the task of that version made of a template file
+        text = keep_examples(text, full)
+        if anywhere:
+            return re.sub(old_package, package, text, flags=re.IGNORECASE)
+        return re.sub(rf"\b{old_package}\b", package, text)
+
+    ours = set(git(root, "ls-tree", "-r", "-z", "--name-only", "HEAD").stdout.decode().split("\0"))
+    for name in git(template, "ls-tree", "-r", "-z", "--name-only", old).stdout.decode().split("\0"):
+        parts = Path(name).parts
+        inside = parts[:2] == ("src", old_package)
+        path = Path("src", package, *parts[2:]) if inside else Path(name)
+        if not name or str(path) not in ours or path in held:
+            continue
+        yours = git(root, "show", f"HEAD:{path}").stdout
+        try:
+            before = made(git(template, "show", f"{old}:{name}").stdout.decode())
+            if yours.decode() == before:
+                continue  # not edited: copier's deletion loses nothing
+        except UnicodeDecodeError:
+            continue  # images: the template's own
+        engine = Path("src", "starter", *parts[2:])
+        if inside and (root / engine).is_file():
+            conflicts = merge_into(root / engine, yours, before)
+            said = f"{conflicts} conflict(s) to settle there (<<<<<<< your {path})" if conflicts else "merged cleanly"
+            print(f"copier update: your edit of {path} is carried to {engine}, where the engine has it now: {said}")
+        else:
+            (root / f"{path}.yours").write_bytes(yours)
+            print(f"copier update: the template no longer has {path}; your edited copy is kept as {path}.yours")
+
+
+def merge_into(target: Path, yours: bytes, before: str) -> int:
+    """The user's edit of `before` (the template's text it started from) merged into `target` (the template's text
+    now), in place; how many conflicts git's markers leave there."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        mine, base = Path(scratch, "yours"), Path(scratch, "before")
+        mine.write_bytes(yours)
+        base.write_text(before)
+        labels = ["-L", f"your {target.name}", "-L", "the template before", "-L", "the engine now"]
+        merged = subprocess.run(["git", "merge-file", "-p", *labels, str(mine), str(base), str(target)],
+                                capture_output=True)  # fmt: skip
+    if merged.returncode > 127:  # git's error (its negative exit), not a count of conflicts
+        raise RuntimeError(merged.stderr.decode())
+    target.write_bytes(merged.stdout)
+    return merged.returncode
 
 
 def relock(root: Path) -> None:

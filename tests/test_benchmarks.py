@@ -64,7 +64,7 @@ def test_step_profile_traces_train_py_and_the_hand_loop(tmp_path):
 def test_folder_epoch_times_the_image_folder_against_images_on_the_device(tmp_path):
     run_benchmark("benchmarks.folder_epoch", "--tiny", "--accelerator", "cpu", "--results", str(tmp_path))
     rates = json.loads((tmp_path / "folder_epoch_tiny.json").read_text())
-    assert set(rates) == {"images on the device (data=bed_images)", "JPEG folder, 1 loader workers",
+    assert set(rates) == {"images on the device (data=synthetic)", "JPEG folder, 1 loader workers",
                           "shards, 1 loader workers"}  # fmt: skip
     assert all(rate > 0 for rate in rates.values())
 

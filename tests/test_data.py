@@ -211,5 +211,5 @@ def test_the_sharded_datamodule_of_docs_extending_runs_as_written_and_shards_the
         data.setup()
     batches = [next(iter(data.train_dataloader())) for data in ranks]
     assert [len(images) for images, _ in batches] == [5, 5]  # the global batch of 10, shared by 2 ranks
-    assert torch.equal(ranks[0].train_set.images, ranks[1].train_set.images)  # one data set, two shares of it
+    assert torch.equal(ranks[0].train_set.tensors[0], ranks[1].train_set.tensors[0])  # one data set, two shares of it
     assert len(ranks[0].val_dataloader().dataset) == 15 and ranks[0].shards_itself

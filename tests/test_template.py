@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from io import BytesIO
 
 import pytest
@@ -35,9 +36,11 @@ def git(cwd, *args):
                    capture_output=True)  # fmt: skip
 
 
-def copier(cwd, *args):
+def copier(cwd, *args) -> str:
+    """What copier (and the task it runs) said."""
     proc = subprocess.run([sys.executable, "-m", "copier", *args], cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +183,67 @@ def test_the_generated_project_trains_and_passes_its_quick_tests_without_the_tem
     assert " error" not in tests.stdout and " passed" in tests.stdout
 
 
+# A user's own data and net, made the defaults: what a project that replaced every example trains.
+USERS_OWN = {
+    "data/noise.py": """import torch
+
+from starter.data.base import ShardedDataModule
+
+
+class Noise(ShardedDataModule):
+    def setup(self, stage=None):
+        if self.train_set is None:
+            g = torch.Generator().manual_seed(self.seed)
+            sets = [torch.utils.data.TensorDataset(torch.randint(0, 256, (n, 1, 8, 8), dtype=torch.uint8, generator=g),
+                                                   torch.randint(0, 3, (n,), generator=g)) for n in (96, 32, 32)]
+            self.train_set, self.val_set, self.test_set = sets
+""",
+    "models/nets/linear.py": """from torch import nn
+
+
+class Linear(nn.Sequential):
+    def __init__(self, num_classes: int):
+        super().__init__(nn.Flatten(), nn.Linear(64, num_classes))
+""",
+}
+EXAMPLE_FILES = ["data/digits.py", "data/mnist.py", "data/synthetic.py", "data/in_memory.py", "models/nets/mlp.py",
+                 "models/nets/cnn.py", "models/nets/vit.py"]  # fmt: skip
+EXAMPLE_CONFIGS = ["model/mlp.yaml", "model/cnn.yaml", "model/vit.yaml", "model/timm.yaml", "data/digits.yaml",
+                   "data/mnist.yaml", "data/synthetic.yaml", "experiment/mnist_cnn.yaml"]  # fmt: skip
+
+
+def test_a_project_that_replaced_every_example_runs_the_engines_tests_on_their_own_bed(projects, tmp_path):
+    project = tmp_path / "project"
+    shutil.copytree(projects["minimal"], project, ignore=shutil.ignore_patterns("logs"))
+    package, conf = project / "src" / PACKAGE, project / "conf"
+    for name in EXAMPLE_FILES:
+        (package / name).unlink()
+    for name in EXAMPLE_CONFIGS:
+        (conf / name).unlink()
+    shutil.rmtree(project / "tests" / "examples")  # the examples' tests go with them
+    for name, text in USERS_OWN.items():
+        (package / name).write_text(text)
+    (conf / "data" / "noise.yaml").write_text(f"_target_: {PACKAGE}.data.noise.Noise\nbatch_size: 32\nseed: ${{seed}}\n"
+                                              "num_workers: 0\nimage_shape: [1, 8, 8]\nnum_classes: 3\n")  # fmt: skip
+    (conf / "model" / "linear.yaml").write_text("defaults:\n  - base/classifier@_here_\n  - _self_\n\nnet:\n"
+                                                f"  _target_: {PACKAGE}.models.nets.linear.Linear\n"
+                                                "  num_classes: ${data.num_classes}\n")  # fmt: skip
+    train_yaml = conf / "train.yaml"
+    train_yaml.write_text(train_yaml.read_text().replace("  - data: digits\n", "  - data: noise\n")
+                          .replace("  - model: mlp\n", "  - model: linear\n"))  # fmt: skip
+    done = in_projects({"own": project}, "runpy.run_path('train.py', run_name='__main__')", "train.py", "debug=fdr")
+    assert done["own"].returncode == 0, done["own"].stderr[-3000:]
+    # every test module still imports (collected: none left out), and the engine's tests run on their bed: the
+    # config and data tests, and the default run's (digits and the MLP, the bed's: 95% after 20 epochs)
+    collected = in_projects({"own": project}, "import pytest; sys.exit(pytest.main(sys.argv))", "-q",
+                            "--collect-only", "-p", "no:cacheprovider", "tests")["own"]  # fmt: skip
+    assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-3000:]
+    tests = in_projects({"own": project}, "import pytest; sys.exit(pytest.main(sys.argv))", "-q", "-p",
+                        "no:cacheprovider", "-m", "not slow", "tests/test_config.py", "tests/test_data.py",
+                        "tests/test_train.py::test_default_run_reaches_95_percent_test_accuracy")["own"]  # fmt: skip
+    assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
+
+
 def committed(folder) -> None:
     git(folder, "init", "-q")
     git(folder, "add", "-A")
@@ -206,19 +270,29 @@ def test_copier_update_brings_an_engine_change_and_touches_nothing_of_the_users(
     for name, text in ignored.items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text)
+    dropped = project / "docs" / "performance.md"  # a page the user added to, which the template then drops
+    dropped.write_text(dropped.read_text() + "our own figures\n")
     committed(project)
     users = ("src/" + PACKAGE, "conf/model", "conf/data", "conf/experiment", "tests")
     before = contents(project, *users)
     with open(template / "src" / "starter" / "__init__.py", "a") as f:
         f.write("TEMPLATE_CHANGE = 1\n")
+    git(template, "rm", "-q", "docs/performance.md")
     git(template, "commit", "-qam", "a later change of the engine")
-    copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
+    started = time.monotonic()
+    said = copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
+    print(f"copier update of an engine change: {time.monotonic() - started:.1f} s")  # docs/template.md's figure
+    assert "the template no longer has docs/performance.md; your edited copy is kept as docs/performance.md.yours" in (
+        said
+    )
+    assert dropped.with_suffix(".md.yours").read_text().endswith("our own figures\n") and not dropped.exists()
     assert "TEMPLATE_CHANGE = 1" in (project / "src" / "starter" / "__init__.py").read_text()
     assert contents(project, *users) == before  # no file of the user's changed, none added
     assert {name: (project / name).read_text() for name in ignored} == ignored  # what git ignores, untouched
     status = subprocess.run(["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True).stdout
     changed = sorted(line.split()[-1] for line in status.splitlines())
-    assert changed == [".copier-answers.yml", "src/starter/__init__.py"], status
+    assert changed == [".copier-answers.yml", "docs/performance.md", "docs/performance.md.yours",
+                       "src/starter/__init__.py"], status  # fmt: skip
     assert not (project / "src" / "starter" / "data" / "imagenet.py").exists()  # minimal stays minimal
     assert not (project / "conf" / "launcher").exists()
 
@@ -244,6 +318,8 @@ def test_a_project_generated_with_the_engine_in_its_package_updates_to_the_two_k
     assert (project / "src" / PACKAGE / "launch" / "watchdog.py").is_file()  # the engine inside the user's package
     classifier = project / "src" / PACKAGE / "models" / "classifier.py"
     classifier.write_text(classifier.read_text() + "\nUSERS_OWN = 1  # the user's edit\n")
+    progress = project / "src" / PACKAGE / "callbacks" / "progress.py"  # an engine file, in the old layout the user's
+    progress.write_text(progress.read_text() + "\nUSERS_ENGINE_EDIT = 1\n")
     mlp = project / "conf" / "model" / "mlp.yaml"
     mlp.write_text(mlp.read_text().replace("width: 256", "width: 128"))
     committed(project)
@@ -251,8 +327,12 @@ def test_a_project_generated_with_the_engine_in_its_package_updates_to_the_two_k
     shutil.copytree(ROOT, template, ignore=IGNORED, dirs_exist_ok=True)
     git(template, "add", "-A")
     git(template, "commit", "-qm", "two packages")
-    copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
+    said = copier(project, "update", "--trust", "--defaults", "--vcs-ref", "HEAD")
     assert "USERS_OWN = 1" in classifier.read_text() and "width: 128" in mlp.read_text()  # the user's edits, kept
+    # copier deletes the old engine files, edited or not: the task carried the edit to where the engine is now
+    assert "USERS_ENGINE_EDIT = 1" in (project / "src" / "starter" / "callbacks" / "progress.py").read_text()
+    assert (f"your edit of src/{PACKAGE}/callbacks/progress.py is carried to src/starter/callbacks/progress.py, where"
+            " the engine has it now: merged cleanly") in said  # fmt: skip
     assert not (project / "src" / PACKAGE / "launch").exists() and (project / "src" / "starter" / "run.py").is_file()
     assert files_mentioning(project, ["<<<<<<<", ">>>>>>>"]) == [] and not list(project.rglob("*.rej"))
     run = in_projects({"updated": project}, "runpy.run_path('train.py', run_name='__main__')", "train.py",

@@ -1,10 +1,10 @@
-"""The template's example data modules (src/mynet/data): digits, MNIST from IDX files, synthetic images. They go with
-the examples: delete this file with them."""
+"""The template's example data modules (src/mynet/data): digits, MNIST from IDX files, synthetic images. They go
+with the examples: delete this file with them."""
 
 import pytest
 import torch
 
-from conftest import as_rank
+from conftest import as_rank, train
 from mynet.data.digits import DigitsDataModule
 from mynet.data.mnist import MNISTDataModule
 from mynet.data.synthetic import SyntheticDataModule
@@ -57,3 +57,8 @@ def test_synthetic_data_is_imagenet_shaped_and_repeatable():
     assert x1.shape == (3, 224, 224) and torch.equal(x1, x2) and int(y1) == int(y2) and 0 <= int(y1) < 1000
     x, _ = next(iter(as_rank(dm, 1, 0).train_dataloader()))
     assert x.shape == (4, 3, 224, 224) and x.dtype == torch.uint8  # made once, not per item
+
+
+def test_an_empty_digits_split_is_refused_before_training(tmp_path):
+    proc = train(tmp_path, "model=mlp", "data=digits", "data.split=[0.85,0.15,0.0]", expect_ok=False)
+    assert proc.returncode == 2 and "error: data.split=[0.85, 0.15, 0.0]: every split needs samples" in proc.stderr

@@ -1,5 +1,5 @@
-"""The template's example task (src/mynet/models/classifier.py): torchvision's recipe knobs it implements, each doing
-what it says on a fixed batch or a run. They go with the example: delete this file with it."""
+"""The template's example task (src/mynet/models/classifier.py): torchvision's recipe knobs it implements, each
+doing what it says on a fixed batch or a run. They go with the example: delete this file with it."""
 
 import json
 import math
