@@ -59,8 +59,9 @@ def test_a_torchrun_restart_continues_the_run_directory_to_the_uninterrupted_wei
     job = ["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=3", "test=false"]  # killed in epoch 1 or 2
     command = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", str(ROOT / "train.py"), *on_bed([*job,
                "ckpt_path=auto", f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=with_env())
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_env()
+    )
     with reaped(proc):
         wait_for_checkpoint(tmp_path, proc, epochs=1)
         os.kill(worker_of_rank(proc, 1), signal.SIGKILL)  # torchrun stops rank 0 and starts both again
@@ -164,8 +165,9 @@ def test_a_stopped_torchrun_worker_ends_the_run_within_the_heartbeat_timeout_wit
     command = [*TORCHRUN, "--nproc-per-node=2", f"--master-port={port}", "--rdzv-id=stopped", str(ROOT / "train.py"),
                *on_bed(["strategy=ddp", "accelerator=cpu", "trainer.max_epochs=1000", "heartbeat_timeout_s=6",
                f"paths.log_dir={tmp_path / 'logs'}", *QUIET])]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=with_env())
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_env()
+    )
     with reaped(proc):
         wait_for_checkpoint(tmp_path, proc, epochs=1)
         wait_for_beat(port, rank=1, run_id="stopped", torchrun=True)
