@@ -296,10 +296,6 @@ def test_a_record_supplies_only_plain_values_for_what_the_model_configs_here_dec
     assert f"ckpt_path={path}: its inference record {said}" in str(refused.value)
 
 
-# full examples: begin
-
-
-# full examples: end
 @pytest.mark.slow
 def test_a_backbone_frozen_for_an_epoch_keeps_its_weights_then_trains_alike_under_ddp(tmp_path):
     # SGD: ddp and one process differ by summation order only, which Adam's normalised steps would amplify past 1e-5
