@@ -2,6 +2,7 @@
 
 import logging
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -70,11 +71,12 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     own = [inference, hyperparameters, MidEpochResume(), RandomState(cfg.seed)]
     trainer = build_trainer(cfg, layout, [*callbacks, *own], loggers, getattr(datamodule, "shards_itself", False))
     log_config(trainer, cfg)
+    uploads = upload_checkpoints(cfg, callbacks)
     try:
         try:
-            metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record, stops)
+            metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record, stops, uploads)
         except SIGTERMException:  # Lightning's, or ours (callbacks/preemption.py): at any phase
-            stopped(cfg, trainer, stops)
+            stopped(cfg, trainer, stops, uploads)
     except BaseException as err:  # a logger's run is marked with how the job ends
         end_logger_runs(trainer, err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1)
         raise
@@ -83,8 +85,24 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict, stops) -> dict[str, float]:
-    """`stops`: the run's SaveOnSigterm (None where the callbacks config has none)."""
+def upload_checkpoints(cfg: DictConfig, callbacks: list):
+    """Rank 0's uploads of each checkpoint saved (checkpointing/store.py) where `checkpoint_store` is given; else
+    None."""
+    if not cfg.get("checkpoint_store") or process_rank() != 0:
+        return None
+    from starter.checkpointing.run_checkpoint import RunCheckpoint
+    from starter.checkpointing.store import CheckpointStore, Uploads
+
+    uploads = Uploads(CheckpointStore(str(cfg.checkpoint_store)))
+    for callback in callbacks:
+        if isinstance(callback, RunCheckpoint):
+            callback.uploads = uploads
+    return uploads
+
+
+def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inference: dict, stops, uploads=None):
+    """`stops`: the run's SaveOnSigterm (None where the callbacks config has none); `uploads`: rank 0's to the
+    checkpoint store (None: none)."""
     if cfg.ckpt_path:
         check_checkpoint_fits(model, Path(cfg.ckpt_path), cfg.model)
     metrics: dict[str, float] = {}
@@ -94,6 +112,8 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
         if stops is not None:
             stops.enter("the final save")
         save_full_weights(trainer, Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", inference)
+        if uploads is not None:
+            uploads.put(Path(cfg.paths.output_dir) / "checkpoints" / "model.pt", trainer.global_step)
         if stops is not None:
             stops.stop_here()
     ckpt_path = cfg.ckpt_path
@@ -116,12 +136,23 @@ def fit_and_test(cfg: DictConfig, trainer: L.Trainer, model, datamodule, inferen
         weights = f"init_from={cfg.init_from}" if cfg.get("init_from") and not cfg.train else "the final weights"
         tested = shown(ckpt_path, cfg.paths.output_dir) if ckpt_path else weights
         write_run_outputs(Path(cfg.paths.output_dir), metrics, cfg.monitor, tested if cfg.test else None)
+    if uploads is not None:
+        uploads.put_record(Path(cfg.paths.output_dir))
+        started = time.monotonic()
+        uploads.flush()
+        log.info("checkpoint_store: every upload done (the last waited for %.1f s)", time.monotonic() - started)
     return metrics
 
 
-def stopped(cfg: DictConfig, trainer: L.Trainer, stops) -> None:
+def stopped(cfg: DictConfig, trainer: L.Trainer, stops, uploads=None) -> None:
     """Exit 143 with the run's one stop line (stop_agreement.stop_line), said by rank 0; under several processes it
-    tells the launcher so through the run's store, and the launcher says none of its own."""
+    tells the launcher so through the run's store, and the launcher says none of its own. The last.ckpt the stop
+    saved is uploaded first where a checkpoint store is given, within half the stop's grace."""
+    if uploads is not None and stops is not None and stops.saved_step is not None:
+        uploads.put(Path(stops.path), stops.saved_step)
+        uploads.put_record(Path(cfg.paths.output_dir))
+        if not uploads.flush(timeout=float(cfg.get("stop_grace_s", 90)) / 2):
+            log.warning("checkpoint_store: the stop's last.ckpt is not uploaded yet; the store keeps the one before")
     if trainer.is_global_zero:
         cause = (stops and stops.received) or "a stop signal"
         phase, step = (stops.received_in, stops.saved_step) if stops is not None else (None, None)

@@ -12,6 +12,7 @@ from starter.errors import UserError, first_line
 from starter.untrusted import interpolations, reading
 
 log = logging.getLogger(__name__)
+REMOTE = ("s3://", "gs://", "az://")  # a checkpoint store's prefix (checkpointing/store.py)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
@@ -32,6 +33,15 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
         newest = max(found, key=lambda p: p.stat().st_mtime)
         log.info("ckpt_path=last -> %s%s", newest, sweep_job(newest.parent.parent))
         return newest
+    if str(cfg.ckpt_path).startswith(REMOTE):  # a checkpoint store's prefix: its last.ckpt to resume, else its best
+        from starter.checkpointing.store import CheckpointStore, fetched_for_reading
+
+        if not cfg.train:
+            return fetched_for_reading(str(cfg.ckpt_path))
+        own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if not CheckpointStore(str(cfg.ckpt_path)).fetch("last.ckpt", own):
+            raise UserError(f"ckpt_path={cfg.ckpt_path}: no checkpoints/last.ckpt.json there to resume from")
+        return own
     path = Path(cfg.ckpt_path)
     if not path.exists():  # a file, or a directory for sharded checkpoints
         raise UserError(f"ckpt_path={cfg.ckpt_path}: no such file")
@@ -57,6 +67,10 @@ def sweep_job(run: Path) -> str:
 def checkpoint_named(spec: str, log_dir: Path) -> Path:
     """The checkpoint `spec` names: a file or sharded directory; a run directory's best.ckpt, else its model.pt;
     `last`: the newest run directory under `log_dir` that has either."""
+    if spec.startswith(REMOTE):  # a checkpoint store's prefix, as a run directory
+        from starter.checkpointing.store import fetched_for_reading
+
+        return fetched_for_reading(spec)
     if spec == "last":
         found = [p.parent.parent for p in log_dir.glob("**/checkpoints/*") if p.name in ("best.ckpt", "model.pt")]
         if not found:

@@ -4,6 +4,7 @@ again, never a -v1 beside stale ones); a restored state is someone else's file: 
 this folder (untrusted.inside), so a later save deletes only what this run wrote there."""
 
 import os
+from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -14,9 +15,17 @@ PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
 class RunCheckpoint(Restored, ModelCheckpoint):
+    uploads = None  # checkpointing/store.Uploads where a checkpoint_store is given (rank 0): each save, uploaded
+
     def __init__(self, **kwargs):
         keeps_one = kwargs.get("save_top_k", 1) == 1  # more than one of a name: Lightning's -v1, -v2 tell them apart
         super().__init__(**{"enable_version_counter": not keeps_one, **kwargs})
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if self.uploads is not None and trainer.is_global_zero:
+            self.uploads.put(Path(filepath), trainer.global_step)
+            self.uploads.put_record(Path(self.dirpath).parent)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
