@@ -44,8 +44,10 @@ class CheckpointStore:
         if not self.bucket:
             raise UserError(f"checkpoint_store={url}: name a bucket, s3://bucket/prefix")
         self.url, self.prefix = url, prefix.strip("/")
-        import boto3
-
+        try:
+            import boto3
+        except ImportError:
+            raise UserError(f"checkpoint_store={url} needs boto3: pip install -e '.[store]'") from None
         self.client = boto3.client("s3")
 
     def key(self, name: str) -> str:

@@ -1,0 +1,125 @@
+"""What `checkpoint_store` costs a run: on CPU, one process, digits and an MLP of width 1024 (a 13 MB checkpoint with
+AdamW's state), a checkpoint every 10 steps (last.ckpt; best.ckpt each epoch), against the same run writing to its
+local disk only; REPEATS runs of each, interleaved, into moto's S3 server on this machine (its own disk: what the
+network adds elsewhere is not measured here, and the uploads run beside training wherever they go).
+
+Per run: the median step without a checkpoint, the median step that saves one (the local write, and with a store the
+hand-over to the upload thread), what the run's end waits for the last uploads, and, for a run stopped by SIGTERM
+mid-epoch, the seconds from the signal to its exit (a stop uploads its last.ckpt before it exits).
+"""
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+
+from benchmarks.common import RESULTS, ROOT, LocalS3, markdown_table, train_command
+
+REPEATS = 5
+RUN = ["accelerator=cpu", "model.net.width=1024", "trainer.max_epochs=4", "trainer.limit_train_batches=20",
+       "checkpoint_every_n_steps=10", "test=false", "trainer.enable_progress_bar=false"]  # fmt: skip
+
+
+class StepTimes(L.Callback):
+    """Writes each training step's seconds, and whether a checkpoint was saved at its end, to `output` (rank 0)."""
+
+    def __init__(self, output: str):
+        self.output, self.times, self.started = Path(output), [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.times.append(time.perf_counter() - self.started)  # the callbacks before this one: checkpoints included
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.output.write_text(json.dumps(self.times))
+
+
+def run(scratch: Path, store: list[str], env: dict) -> dict:
+    times = scratch / "times.json"
+    command = train_command(*RUN, *store, f"paths.log_dir={scratch / 'logs'}",
+                            "+callbacks.times._target_=benchmarks.checkpoint_store.StepTimes",
+                            f"+callbacks.times.output={times}")  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(times.read_text())
+    saving = [t for i, t in enumerate(steps) if (i + 1) % 10 == 0]
+    plain = [t for i, t in enumerate(steps) if (i + 1) % 10 and i % 20]  # no save; not an epoch's first step
+    waited = [float(line.split("waited for ")[1].split(" s")[0]) for line in (proc.stdout + proc.stderr).splitlines()
+              if "every upload done" in line]  # fmt: skip
+    return {"step_s": statistics.median(plain), "saving_step_s": statistics.median(saving),
+            "end_wait_s": waited[0] if waited else 0.0}  # fmt: skip
+
+
+def stopped(scratch: Path, store: list[str], env: dict) -> float:
+    """Seconds from SIGTERM (mid-run, after the second checkpoint) to the run's exit."""
+    command = train_command(*RUN, *store, "trainer.max_epochs=40", f"paths.log_dir={scratch / 'logs'}")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while not list(scratch.glob("logs/train/runs/*/checkpoints/best.ckpt")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    return time.monotonic() - sent
+
+
+def main() -> None:
+    import os
+
+    import boto3
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="checkpoint-store-"))
+    s3 = LocalS3(scratch / "s3")
+    env = {**os.environ, **s3.env}
+    keys = {"aws_access_key_id": s3.env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": s3.env["AWS_SECRET_ACCESS_KEY"]}
+    boto3.client("s3", endpoint_url=s3.env["AWS_ENDPOINT_URL"], region_name="us-east-1", **keys).create_bucket(
+        Bucket="runs"
+    )
+    modes = {"local disk": lambda i: [], "checkpoint_store": lambda i: [f"checkpoint_store=s3://runs/bench-{i}"]}
+    results = {name: {"runs": [], "stop_s": []} for name in modes}
+    try:
+        for i in range(REPEATS):  # interleaved: the machine's drift falls on both alike
+            for name, store in modes.items():
+                results[name]["runs"].append(run(scratch / f"{name[0]}{i}", store(i), env))
+                results[name]["stop_s"].append(stopped(scratch / f"s{name[0]}{i}", store(f"stop-{i}"), env))
+    finally:
+        s3.stop()
+    (RESULTS / "checkpoint_store.json").write_text(json.dumps(results, indent=1))
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name]["runs"])
+
+    def spread(name: str, key: str) -> str:
+        values = [r[key] for r in results[name]["runs"]]
+        return f"{statistics.median(values) * 1000:.1f} [{min(values) * 1000:.1f}-{max(values) * 1000:.1f}]"
+
+    rows = []
+    for name, figures in results.items():
+        stops = figures["stop_s"]
+        rows.append([name, spread(name, "step_s"), f"{median(name, 'step_s') / median('local disk', 'step_s'):.3f}",
+                     spread(name, "saving_step_s"), f"{median(name, 'end_wait_s'):.2f}",
+                     f"{statistics.median(stops):.2f} [{min(stops):.2f}-{max(stops):.2f}]"])  # fmt: skip
+    table = markdown_table(["one process, 13 MB checkpoints", "step, ms (median [min-max] of 5 runs)", "/ local disk",
+                            "step that saves a checkpoint, ms", "end waits for uploads, s",
+                            "SIGTERM to exit, s"], rows)  # fmt: skip
+    text = (
+        f"{table}\n\nMade by `python -m benchmarks.checkpoint_store` on {os.cpu_count()} CPUs: {REPEATS} runs of each,"
+        " interleaved, each 80 steps with a checkpoint every 10 (uploaded to moto's S3 server on this machine).\n"
+    )
+    (RESULTS / "checkpoint_store.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
