@@ -78,6 +78,11 @@ def use_store(cfg: DictConfig, plan: Plan) -> None:
             f"checkpoint_store with strategy={cfg.strategy.name}: its sharded checkpoints are not uploaded yet; use a"
             " strategy of whole checkpoints (auto, ddp, ddp_spawn, dp), or no checkpoint_store"
         )
+    if cfg.get("fault_tolerance"):
+        raise UserError(
+            "checkpoint_store with fault_tolerance: not supported yet (the replica groups would share its names);"
+            " the groups keep their checkpoints in their own run directories"
+        )
     store = CheckpointStore(str(cfg.checkpoint_store))
     store.check(meeting_config(cfg))
     own = Path(cfg.paths.output_dir) / "checkpoints"
