@@ -256,9 +256,13 @@ def fetch_for_resume(store: CheckpointStore, checkpoints: Path) -> bool:
 
 def fetched_for_reading(url: str) -> Path:
     """predict.py, export.py, `train=false`: the checkpoint a store's prefix holds (best.ckpt, else model.pt, else
-    last.ckpt), fetched into a temporary folder of this process."""
+    last.ckpt), fetched into a temporary folder of this process (removed as it exits)."""
+    import atexit
+    import shutil
+
     store = CheckpointStore(url)
     folder = Path(tempfile.mkdtemp(prefix="checkpoint-store-"))
+    atexit.register(shutil.rmtree, folder, True)
     for name in ("best.ckpt", "model.pt", "last.ckpt"):
         if store.fetch(name, folder / name):
             return folder / name
