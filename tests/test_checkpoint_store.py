@@ -91,7 +91,7 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
 ):
     prefix, same = f"continued-{len(processes)}", [*processes, *slow(tmp_path / "steps.txt")]
     client(s3).put_object(Bucket="runs", Key="elsewhere/keep", Body=b"not this run's")  # outside the prefix
-    train(tmp_path / "reference", *LONG, *same, env=PROBES)
+    train(tmp_path / "reference", *LONG, *same)  # here: tests/ (the probes) is on this process's path
     expected = model_weights(run_dirs(tmp_path / "reference")[0])
     first = start(tmp_path / "first", s3.env, prefix, *same)
     with reaped(first):

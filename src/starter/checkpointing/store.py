@@ -48,7 +48,7 @@ class CheckpointStore:
             import boto3
         except ImportError:
             raise UserError(f"checkpoint_store={url} needs boto3: pip install -e '.[store]'") from None
-        self.client = boto3.client("s3")
+        self.client = boto3.session.Session().client("s3")  # the environment as it is now
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
