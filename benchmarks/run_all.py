@@ -10,7 +10,16 @@ import sys
 
 from benchmarks.common import RESULTS, ROOT
 
-BENCHMARKS = ["parity", "parity_ddp", "host_syncs", "startup", "model_parallel_memory", "fault_tolerance", "diloco"]
+BENCHMARKS = [
+    "parity",
+    "parity_ddp",
+    "host_syncs",
+    "startup",
+    "model_parallel_memory",
+    "fault_tolerance",
+    "diloco",
+    "checkpoint_store",
+]
 BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix", "predict_speed"]  # full examples
 RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
 
@@ -109,6 +118,8 @@ def main() -> None:
         (RESULTS / "fault_tolerance.md").read_text(),
         "## Replica groups that meet every H steps: fault_tolerance.sync_every (DiLoCo, CPU)",
         (RESULTS / "diloco.md").read_text(),
+        "## Checkpoints in an object store: checkpoint_store against the local disk (CPU)",
+        (RESULTS / "checkpoint_store.md").read_text(),
         "## Predict: images/s against the test loop of the same checkpoint (one process, CPU)",  # full examples
         (RESULTS / "predict_speed.md").read_text(),  # full examples
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples
