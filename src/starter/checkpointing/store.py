@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 UPLOADED = ("last.ckpt", "best.ckpt", "model.pt")  # under checkpoints/, pointed at
 RECORD = ("config.yaml", "metrics.csv", "metrics.json")  # the run's record, under run/
+REFUSED = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")  # the store's "not you"
 OBJECT = re.compile(r"checkpoints/(last\.ckpt|best\.ckpt|model\.pt)\.versions/[0-9]+-[0-9a-f]{16}")
 
 
@@ -64,8 +65,7 @@ class CheckpointStore:
             why = "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, an instance role)"
         elif isinstance(err, ClientError) and err.response["Error"]["Code"] in ("NoSuchBucket", "404"):
             why = f"no bucket {self.bucket} at {where}; create it, or name another"
-        elif isinstance(err, ClientError) and err.response["Error"]["Code"] in (
-            "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):  # fmt: skip
+        elif isinstance(err, ClientError) and err.response["Error"]["Code"] in REFUSED:
             why = f"{where} refuses these credentials ({err.response['Error']['Code']}); check AWS_ACCESS_KEY_ID"
         else:
             why = first_line(err)
@@ -123,7 +123,7 @@ class CheckpointStore:
                 isinstance(object_, str)
                 and OBJECT.fullmatch(object_)
                 and object_.startswith(f"checkpoints/{name}.")
-                and isinstance(size, int)
+                and type(size) is int
                 and size >= 0
                 and isinstance(digest, str)
                 and re.fullmatch(r"[0-9a-f]{64}", digest)
