@@ -245,7 +245,7 @@ def test_a_record_whose_arguments_fetch_or_read_rebuilds_the_model_without_them(
     from starter import load_module
 
     url, asked = web_server
-    path = weights_file(tmp_path, "timm")
+    path = weights_file(tmp_path, "bed_timm")
     saved = torch.load(path, weights_only=True)
     net = saved["inference"]["model"]["net"]  # the author's folder and URL; any file of this machine to read
     net |= {"pretrained": True, "pretrained_cfg_overlay": {"url": f"{url}/weights.pth", "hf_hub_id": ""},
@@ -253,7 +253,7 @@ def test_a_record_whose_arguments_fetch_or_read_rebuilds_the_model_without_them(
     torch.save(saved, path)
     exported = export(tmp_path, path, "torch_export")  # built from the local config, then the checkpoint's weights
     pixels = torch.randint(0, 256, (2, 1, 8, 8), dtype=torch.uint8)
-    module = load_module(path)
+    module = load_module(path, CONFIG_DIRS)
     assert torch.allclose(torch.export.load(exported).module()(pixels), module.net(pixels.float() / 255 - 0.4) / 0.25,
                           atol=1e-4)  # fmt: skip
     assert asked == [] and not (tmp_path / "author").exists()
@@ -287,12 +287,12 @@ def test_a_record_supplies_only_plain_values_for_what_the_model_configs_here_dec
     from starter import load_module
     from starter.errors import UserError
 
-    path = weights_file(tmp_path, "timm")
+    path = weights_file(tmp_path, "bed_timm")
     saved = torch.load(path, weights_only=True)
     saved["inference"]["model"]["net"][where] = value
     torch.save(saved, path)
     with pytest.raises(UserError) as refused:
-        load_module(path)
+        load_module(path, CONFIG_DIRS)
     assert f"ckpt_path={path}: its inference record {said}" in str(refused.value)
 
 
