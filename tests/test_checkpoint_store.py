@@ -62,17 +62,16 @@ def pointer(store: LocalS3, key: str) -> dict | None:
         return None
 
 
-# 20 epochs of 5 steps (each 30 ms longer), SGD: stopped in the middle, continued elsewhere
+# 20 epochs of 5 steps, SGD: stopped in the middle (its steps slow until it is stopped), continued elsewhere
 LONG = [*(o for o in MLP_20_STEPS if not o.startswith("trainer.max_epochs=")), "trainer.max_epochs=20", "test=false",
         "ckpt_path=auto"]  # fmt: skip
 
 
-def slow(steps: Path) -> list[str]:
-    return [
-        "+callbacks.slow._target_=probes.SlowSteps",
-        "+callbacks.slow.seconds=0.03",
-        f"+callbacks.slow.output={steps}",
-    ]
+def slow(folder: Path) -> list[str]:
+    """Each step 0.2 s longer until `folder`/go exists: the first run cannot end before the test stops it."""
+    probe = "+callbacks.slow"
+    return [f"{probe}._target_=probes.SlowSteps", f"{probe}.seconds=0.2", f"{probe}.output={folder / 'steps.txt'}",
+            f"{probe}.until={folder / 'go'}"]  # fmt: skip
 
 
 def start(machine: Path, env: dict, prefix: str, *more: str) -> subprocess.Popen:
@@ -89,10 +88,8 @@ def start(machine: Path, env: dict, prefix: str, *more: str) -> subprocess.Popen
 def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the_uninterrupted_weights(
     s3, processes, digit_files, tmp_path
 ):
-    prefix, same = f"continued-{len(processes)}", [*processes, *slow(tmp_path / "steps.txt")]
+    prefix, same = f"continued-{len(processes)}", [*processes, *slow(tmp_path)]
     client(s3).put_object(Bucket="runs", Key="elsewhere/keep", Body=b"not this run's")  # outside the prefix
-    train(tmp_path / "reference", *LONG, *same)  # here: tests/ (the probes) is on this process's path
-    expected = model_weights(run_dirs(tmp_path / "reference")[0])
     first = start(tmp_path / "first", s3.env, prefix, *same)
     with reaped(first):
         deadline = time.monotonic() + 120
@@ -106,6 +103,9 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
     stopped_at = saved["global_step"]
     uploaded = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json")
     assert uploaded["object"].startswith(f"checkpoints/last.ckpt.versions/{stopped_at:09d}-")  # the stop's, uploaded
+    (tmp_path / "go").touch()  # steps at full speed from here on
+    train(tmp_path / "reference", *LONG, *same)  # never stopped; here: tests/ (the probes) is on this process's path
+    expected = model_weights(run_dirs(tmp_path / "reference")[0])
     second = start(tmp_path / "second", s3.env, prefix, *same)  # nothing of the first machine's but the bucket
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-3000:]
