@@ -62,8 +62,8 @@ def pointer(store: LocalS3, key: str) -> dict | None:
         return None
 
 
-# 20 epochs of 5 steps, SGD: stopped in the middle (its steps slow until it is stopped), continued elsewhere
-LONG = [*(o for o in MLP_20_STEPS if not o.startswith("trainer.max_epochs=")), "trainer.max_epochs=20", "test=false",
+# 12 epochs of 5 steps, SGD: stopped in the middle (its steps slow until it is stopped), continued elsewhere
+LONG = [*(o for o in MLP_20_STEPS if not o.startswith("trainer.max_epochs=")), "trainer.max_epochs=12", "test=false",
         "ckpt_path=auto"]  # fmt: skip
 
 
@@ -113,7 +113,7 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
     (run_dir,) = run_dirs(tmp_path / "second")
     continued = model_weights(run_dir)
     assert all(torch.equal(expected[k], continued[k]) for k in expected), "not the uninterrupted run's weights"
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 100
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 60
     # retention: one version of each name of the second run's; the first's last (resumed from) kept; nothing else
     held = keys(s3, f"{prefix}/")
     assert {k.split("/", 1)[1] for k in held} >= {"checkpoints/last.ckpt.json", "checkpoints/best.ckpt.json",
@@ -127,7 +127,7 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
     if processes == ["strategy=auto"]:  # predict.py reads the store's prefix as a run directory: its best.ckpt
         rows = predictions(predict(tmp_path / "predict", f"ckpt_path=s3://runs/{prefix}", f"inputs={digit_files}",
                                    env=s3.env))  # fmt: skip
-        assert len(rows) == len(list(digit_files.iterdir())) and correct(rows) > 0.8 * len(rows)
+        assert len(rows) == len(list(digit_files.iterdir())) and correct(rows) > len(rows) // 2  # chance: a tenth
 
 
 def test_a_spoiled_checkpoint_in_the_store_is_refused_in_one_line_and_nothing_is_loaded(s3, tmp_path, monkeypatch):
