@@ -140,10 +140,15 @@ def carry_edits_of_dropped_files(root: Path, template: Path, package: str, held:
     edited or not, without a word. Each such file the user edited (its committed text is not what that version made
     of it) is merged into its new place where the engine now has it (src/<package>/X -> src/starter/X, the move to
     two packages; conflicts left as git's markers), or else kept beside as X.yours; said in a line each."""
-    answers = git(root, "show", "HEAD:.copier-answers.yml")
+    top = git(root, "rev-parse", "--show-toplevel").stdout.decode().strip()
+    answers = git(root, "show", "HEAD:./.copier-answers.yml")  # relative to the project, wherever its repository is
     last = re.search(rb"^_commit: (\S+)$", answers.stdout, re.MULTILINE)
     if answers.returncode != 0 or last is None:
-        return  # a copy, not an update
+        return  # a copy (or copier's scratch copy of an update), not the project being updated
+    if Path(top).resolve() != root.resolve():
+        print("copier update: this project is a folder of a larger repository; edits to files the template has dropped"
+              " are not carried: `git diff HEAD` shows what the update deleted")  # fmt: skip
+        return
     old = last.group(1).decode()
     if git(template, "cat-file", "-e", f"{old}^{{commit}}").returncode != 0:
         print(f"copier update: the template's checkout lacks {old} (this project's last version): edits to files the"

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from conftest import (
+    BED,
+    CONF,
     PROBES,
     QUIET,
     ROOT,
@@ -626,7 +628,8 @@ def test_a_config_option_that_does_not_exist_on_node_0_is_said_on_node_1_too(tmp
     port = free_port()
     nodes = [start_node(tmp_path, n, port, "debug=limit", *([] if n else ["model=nope"])) for n in (0, 1)]
     codes, ended, lines = exits(nodes, timeout=60)
-    said = "error: model=nope: no such option; choose one of bed_cnn, bed_mlp, bed_vit"  # the project's options too
+    options = sorted(p.stem for folder in (CONF, BED / "conf") for p in (folder / "model").glob("*.yaml"))
+    said = f"error: model=nope: no such option; choose one of {', '.join(options)}"  # the project's and the bed's
     assert codes == [2, 2] and lines[0].startswith(said) and lines[1].startswith("error: node 0: model=nope"), lines
 
 
