@@ -142,14 +142,13 @@ def carry_edits_of_dropped_files(root: Path, template: Path, package: str, held:
     two packages; conflicts left as git's markers), or else kept beside as X.yours; said in a line each."""
     top = git(root, "rev-parse", "--show-toplevel").stdout.decode().strip()
     answers = git(root, "show", "HEAD:./.copier-answers.yml")  # relative to the project, wherever its repository is
-    last = re.search(rb"^_commit: (\S+)$", answers.stdout, re.MULTILINE)
-    if answers.returncode != 0 or last is None:
+    old = last_commit(answers.stdout) if answers.returncode == 0 else None
+    if old is None:
         return  # a copy (or copier's scratch copy of an update), not the project being updated
     if Path(top).resolve() != root.resolve():
         print("copier update: this project is a folder of a larger repository; edits to files the template has dropped"
               " are not carried: `git diff HEAD` shows what the update deleted")  # fmt: skip
         return
-    old = last.group(1).decode()
     if git(template, "cat-file", "-e", f"{old}^{{commit}}").returncode != 0:
         print(f"copier update: the template's checkout lacks {old} (this project's last version): edits to files the"
               " template has dropped since are not carried; `git diff HEAD` shows what the update deleted")  # fmt: skip
@@ -187,6 +186,16 @@ def carry_edits_of_dropped_files(root: Path, template: Path, package: str, held:
         else:
             (root / f"{path}.yours").write_bytes(yours)
             print(f"copier update: the template no longer has {path}; your edited copy is kept as {path}.yours")
+
+
+def last_commit(answers: bytes) -> str | None:
+    """The template commit a project's committed .copier-answers.yml names, as copier wrote it: YAML, so a short hash
+    of digits only is quoted (`_commit: '7408061'`)."""
+    import yaml  # copier's own dependency: this runs in copier's Python
+
+    answers = yaml.safe_load(answers)
+    commit = answers.get("_commit") if isinstance(answers, dict) else None
+    return commit if isinstance(commit, str) and re.fullmatch(r"\w[\w.+-]*", commit) else None  # a ref, never an option
 
 
 def merge_into(target: Path, yours: bytes, before: str) -> int:
