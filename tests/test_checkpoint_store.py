@@ -67,6 +67,11 @@ LONG = [*(o for o in MLP_20_STEPS if not o.startswith("trainer.max_epochs=")), "
         "ckpt_path=auto"]  # fmt: skip
 
 
+def global_step(checkpoint: Path) -> int:
+    """The step a checkpoint was saved at: a file, or a sharded one's meta.pt."""
+    return torch.load(checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint, weights_only=True)["global_step"]
+
+
 def slow(folder: Path) -> list[str]:
     """Each step 0.2 s longer until `folder`/go exists: the first run cannot end before the test stops it."""
     probe = "+callbacks.slow"
@@ -84,11 +89,15 @@ def start(machine: Path, env: dict, prefix: str, *more: str) -> subprocess.Popen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [["strategy=auto"], ["strategy=ddp", "devices=2"]], ids=["one", "ddp"])
+@pytest.mark.parametrize(
+    "processes",
+    [["strategy=auto"], ["strategy=ddp", "devices=2"], ["strategy=fsdp", "devices=2"]],
+    ids=["one", "ddp", "fsdp sharded"],
+)
 def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the_uninterrupted_weights(
     s3, processes, digit_files, tmp_path
 ):
-    prefix, same = f"continued-{len(processes)}", [*processes, *slow(tmp_path)]
+    prefix, same = f"continued-{processes[0].split('=')[1]}", [*processes, *slow(tmp_path)]
     client(s3).put_object(Bucket="runs", Key="elsewhere/keep", Body=b"not this run's")  # outside the prefix
     first = start(tmp_path / "first", s3.env, prefix, *same)
     with reaped(first):
@@ -99,8 +108,7 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=120)
     assert first.returncode == 143, err[-3000:]
-    saved = torch.load(next((tmp_path / "first").glob("logs/train/runs/*/checkpoints/last.ckpt")), weights_only=True)
-    stopped_at = saved["global_step"]
+    stopped_at = global_step(next((tmp_path / "first").glob("logs/train/runs/*/checkpoints/last.ckpt")))
     uploaded = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json")
     assert uploaded["object"].startswith(f"checkpoints/last.ckpt.versions/{stopped_at:09d}-")  # the stop's, uploaded
     (tmp_path / "go").touch()  # steps at full speed from here on
@@ -113,18 +121,24 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
     (run_dir,) = run_dirs(tmp_path / "second")
     continued = model_weights(run_dir)
     assert all(torch.equal(expected[k], continued[k]) for k in expected), "not the uninterrupted run's weights"
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 60
+    assert global_step(run_dir / "checkpoints" / "last.ckpt") == 60
     # retention: one version of each name of the second run's; the first's last (resumed from) kept; nothing else
     held = keys(s3, f"{prefix}/")
     assert {k.split("/", 1)[1] for k in held} >= {"checkpoints/last.ckpt.json", "checkpoints/best.ckpt.json",
                                                   "checkpoints/model.pt.json", "run/config.json", "run/config.yaml",
                                                   "run/metrics.csv", "run/metrics.json"}  # fmt: skip
-    versions = [k for k in held if ".versions/" in k]
-    assert sorted(k.split("/")[2] for k in versions if "/last.ckpt." in k) == ["last.ckpt.versions"] * 2
-    assert uploaded["object"] in {k.split("/", 1)[1] for k in versions}  # the one the second run resumed from
-    assert len([k for k in versions if "/model.pt." in k]) == 1 and len([k for k in versions if "/best." in k]) <= 2
+    versions = {"/".join(k.split("/")[1:4]) for k in held if ".versions/" in k}  # a sharded one: a folder of files
+    assert len([v for v in versions if v.startswith("checkpoints/last.")]) == 2
+    assert uploaded["object"] in versions  # the one the second run resumed from
+    assert len([v for v in versions if "/model.pt." in v]) == 1 and len([v for v in versions if "/best." in v]) <= 2
+    assert ("files" in uploaded) == ("strategy=fsdp" in processes)  # a sharded checkpoint: its files listed
+    if "files" in uploaded:  # every rank's shards, the metadata, meta.pt; nothing else of that version's is left
+        assert set(uploaded["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"}
+        assert {k.rsplit("/", 1)[1] for k in held if uploaded["object"] in k} == {*uploaded["files"], "part-0.json",
+                                                                                    "part-1.json"}  # fmt: skip
     assert keys(s3, "elsewhere/") == ["elsewhere/keep"]
-    if processes == ["strategy=auto"]:  # predict.py reads the store's prefix as a run directory: its best.ckpt
+    if "devices=2" not in processes or "files" in uploaded:  # predict.py reads the prefix as a run directory: its
+        # best.ckpt, a sharded one too
         rows = predictions(predict(tmp_path / "predict", f"ckpt_path=s3://runs/{prefix}", f"inputs={digit_files}",
                                    env=s3.env))  # fmt: skip
         assert len(rows) == len(list(digit_files.iterdir())) and correct(rows) > len(rows) // 2  # chance: a tenth
@@ -202,14 +216,62 @@ def test_bad_store_input_is_one_line_before_training(s3, env, url, said, tmp_pat
         prepare(compose_config([f"checkpoint_store={url}", "accelerator=cpu"], tmp_path / "run"))
 
 
-def test_a_prefix_of_another_configs_run_is_refused_and_sharded_checkpoints_are_not_uploaded(s3, tmp_path, monkeypatch):
+def test_a_prefix_of_another_configs_run_is_refused(s3, tmp_path, monkeypatch):
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
     store = ["checkpoint_store=s3://runs/configs", "accelerator=cpu"]
     prepare(compose_config(store, tmp_path / "run"))  # records its config there
     with pytest.raises(UserError, match=r"s3://runs/configs holds a run of another config: seed=3 \(there: 42\)"):
         prepare(compose_config([*store, "seed=3"], tmp_path / "other"))
-    with pytest.raises(
-        UserError, match="checkpoint_store with strategy=fsdp: its sharded checkpoints are not uploaded"
-    ):
-        prepare(compose_config([*store, "strategy=fsdp", "devices=2"], tmp_path / "fsdp"))
+
+
+def sharded(folder: Path, step: int, ranks: int = 2) -> Path:
+    """A sharded checkpoint's directory as the strategy writes it (strategies/model_parallel.py): each rank's shard,
+    DCP's metadata, Lightning's meta.pt."""
+    folder.mkdir(parents=True)
+    for rank in range(ranks):
+        (folder / f"__{rank}_0.distcp").write_bytes(bytes([rank, step]) * 1000)
+    (folder / ".metadata").write_bytes(b"metadata")
+    torch.save({"global_step": step}, folder / "meta.pt")
+    return folder
+
+
+def test_a_sharded_checkpoint_is_named_only_once_every_ranks_part_is_in_the_store(s3, tmp_path, monkeypatch):
+    # two ranks, each uploading its own files from a disk of its own; a rank that never sends its part (killed
+    # mid-upload) leaves the previous checkpoint named; a spoiled shard or a rank's list naming another's file refused
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    import starter.checkpointing.store as store_module
+    from starter.checkpointing.store import CheckpointStore, Uploads
+
+    monkeypatch.setattr(store_module, "PART_WAIT_S", 2.0)
+    store = CheckpointStore("s3://runs/shards")
+    ranks = [Uploads(store, rank, world=2) for rank in range(2)]
+    disks = [sharded(tmp_path / f"node{rank}" / "last.ckpt.a", 5) for rank in range(2)]
+    for rank, uploads in enumerate(ranks):
+        uploads.put_shards(disks[rank], "last.ckpt", 5)
+    assert all(uploads.flush(timeout=60) for uploads in ranks)
+    first = pointer(s3, "shards/checkpoints/last.ckpt.json")
+    assert set(first["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"}
+    assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt")
+    fetched = tmp_path / "fresh" / "last.ckpt"
+    assert fetched.is_symlink() and (fetched / "__1_0.distcp").read_bytes() == bytes([1, 5]) * 1000
+    ranks[0].put_shards(sharded(tmp_path / "node0" / "last.ckpt.b", 10), "last.ckpt", 10)  # rank 1 is gone
+    assert ranks[0].flush(timeout=60)
+    assert pointer(s3, "shards/checkpoints/last.ckpt.json") == first  # the one before, still named, still whole
+    assert len(keys(s3, f"shards/{first['object']}/")) == 6  # four files, two parts: none deleted
+    client(s3).put_object(Bucket="runs", Key=f"shards/{first['object']}/__1_0.distcp", Body=b"someone else's")
+    with pytest.raises(UserError, match=r"last\.ckpt\.versions/000000005-[0-9a-f]+/__1_0\.distcp is not the"):
+        store.fetch("last.ckpt", tmp_path / "spoiled" / "last.ckpt")
+    assert not (tmp_path / "spoiled" / "last.ckpt").exists() and not list((tmp_path / "spoiled").iterdir())
+    forged = {"__0_0.distcp": {"size": 1, "sha256": "0" * 64}}  # rank 1's list naming rank 0's shard
+    for rank, listed in enumerate(({}, forged)):
+        client(s3).put_object(Bucket="runs", Key=f"shards/forged/part-{rank}.json", Body=json.dumps(listed).encode())
+    with pytest.raises(UserError, match=r"forged/part-1\.json names '__0_0\.distcp': not rank 1's"):
+        ranks[0]._parts("checkpoints/last.ckpt", "forged")
+    outside = {"../x": {"size": 1, "sha256": "0" * 64}}
+    for files in (outside, {"__0_0.distcp": first["files"]["__0_0.distcp"]}):  # a path; no metadata, no meta.pt
+        planted = json.dumps({"object": first["object"], "files": files}).encode()
+        client(s3).put_object(Bucket="runs", Key="shards/checkpoints/last.ckpt.json", Body=planted)
+        with pytest.raises(UserError, match="checkpoints/last.ckpt.json is no pointer this starter writes"):
+            store.fetch("last.ckpt", tmp_path / "planted" / "last.ckpt")

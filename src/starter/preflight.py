@@ -48,7 +48,7 @@ def prepare(cfg: DictConfig) -> Plan:
     if (metrics := Path(cfg.paths.output_dir) / "metrics.csv").is_file():  # a run continued: read before training
         metric_series(metrics)
     if cfg.get("checkpoint_store"):
-        use_store(cfg, plan)
+        use_store(cfg)
     path = resolve_ckpt_path(cfg) if cfg.ckpt_path is not None else None
     saved = saved_config(path) if path is not None and cfg.train else None  # the config of the run resumed
     if path is not None:
@@ -67,17 +67,12 @@ def prepare(cfg: DictConfig) -> Plan:
     return plan
 
 
-def use_store(cfg: DictConfig, plan: Plan) -> None:
+def use_store(cfg: DictConfig) -> None:
     """`checkpoint_store`, checked before training (checkpointing/store.py); `ckpt_path=auto` on a machine whose run
     directory holds no last.ckpt continues from the store's."""
     from starter.checkpointing.store import CheckpointStore, fetch_for_resume
     from starter.launch.nodes import meeting_config
 
-    if not plan.traits.whole_weights:
-        raise UserError(
-            f"checkpoint_store with strategy={cfg.strategy.name}: its sharded checkpoints are not uploaded yet; use a"
-            " strategy of whole checkpoints (auto, ddp, ddp_spawn, dp), or no checkpoint_store"
-        )
     if cfg.get("fault_tolerance"):
         raise UserError(
             "checkpoint_store with fault_tolerance: not supported yet (the replica groups would share its names);"

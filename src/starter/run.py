@@ -71,7 +71,7 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     own = [inference, hyperparameters, MidEpochResume(), RandomState(cfg.seed)]
     trainer = build_trainer(cfg, layout, [*callbacks, *own], loggers, getattr(datamodule, "shards_itself", False))
     log_config(trainer, cfg)
-    uploads = upload_checkpoints(cfg, callbacks)
+    uploads = upload_checkpoints(cfg, callbacks, trainer.strategy, layout.world)
     try:
         try:
             metrics = fit_and_test(cfg, trainer, model, datamodule, inference.record, stops, uploads)
@@ -85,15 +85,18 @@ def train_and_test(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def upload_checkpoints(cfg: DictConfig, callbacks: list):
-    """Rank 0's uploads of each checkpoint saved (checkpointing/store.py) where `checkpoint_store` is given; else
-    None."""
-    if not cfg.get("checkpoint_store") or process_rank() != 0:
+def upload_checkpoints(cfg: DictConfig, callbacks: list, strategy, world: int):
+    """This process's uploads to the checkpoint store (checkpointing/store.py) where `checkpoint_store` is given, else
+    None: rank 0's of each checkpoint saved and the record; every rank's of its files of a sharded checkpoint."""
+    sharded = getattr(strategy, "sharded_checkpoints", False)  # strategies/model_parallel.py's
+    if not cfg.get("checkpoint_store") or (process_rank() != 0 and not sharded):
         return None
     from starter.checkpointing.run_checkpoint import RunCheckpoint
     from starter.checkpointing.store import CheckpointStore, Uploads
 
-    uploads = Uploads(CheckpointStore(str(cfg.checkpoint_store)))
+    uploads = Uploads(CheckpointStore(str(cfg.checkpoint_store)), process_rank(), world)
+    if sharded:
+        strategy.written.append(uploads.put_shards)
     for callback in callbacks:
         if isinstance(callback, RunCheckpoint):
             callback.uploads = uploads

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def point_atomically(link: Path, target: str) -> None:
     """Make `link` a symlink to the sibling `target` with one rename, then delete older versions (half-written too)."""
-    temporary = link.with_name(f".{target}.link")
+    temporary = link.with_name(f".{target}.{os.getpid()}.link")  # processes fetching the same one at once
     os.symlink(target, temporary)  # relative: the run directory can be moved
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)  # a plain sharded directory (written without this strategy)

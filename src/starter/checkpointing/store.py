@@ -3,8 +3,11 @@ directory, so that a job rescheduled onto a fresh machine continues from them (`
 
 The run writes its files locally as always; a thread of rank 0 uploads each checkpoint once it is saved (the step
 never waits on the network), under a name of its own (`checkpoints/<file>.versions/<step>-<token>`), then points
-`checkpoints/<file>.json` at it in one PUT. A checkpoint counts as written only once all of it is there: a kill or a
-stop mid-upload leaves the previous one named. Once pointed away from, what this process uploaded before is deleted;
+`checkpoints/<file>.json` at it in one PUT. A sharded checkpoint (fsdp, tp, pp: a directory of one file per rank) is
+uploaded by every rank, each its own files (so nodes that share no disk each send theirs), with a list of them
+(`part-<rank>.json`); rank 0 points at the version once every rank's list is there, naming each file's size and
+sha256. A checkpoint counts as written only once all of it is there: a kill or a stop mid-upload leaves the previous
+one named. Once pointed away from, what this process uploaded before is deleted;
 nothing else is (the checkpoint the run resumed from, another run's, anything outside the prefix). What the store
 holds is read as any file of someone else's: the pointer supplies values only (an object inside the prefix, a size,
 a sha256), the object is checked against both and then loaded weights-only, as a local checkpoint is. `run/config.json`
@@ -17,6 +20,7 @@ import json
 import logging
 import re
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -31,6 +35,8 @@ UPLOADED = ("last.ckpt", "best.ckpt", "model.pt")  # under checkpoints/, pointed
 RECORD = ("config.yaml", "metrics.csv", "metrics.json")  # the run's record, under run/
 REFUSED = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")  # the store's "not you"
 OBJECT = re.compile(r"checkpoints/(last\.ckpt|best\.ckpt|model\.pt)\.versions/[0-9]+-[0-9a-f]{16}")
+SHARD = re.compile(r"__([0-9]+)_[0-9]+\.distcp|\.metadata|meta\.pt")  # a sharded checkpoint's: DCP's, meta.pt
+PART_WAIT_S = 300.0  # how long rank 0 waits for the other ranks' parts of a sharded checkpoint before giving it up
 
 
 class CheckpointStore:
@@ -112,65 +118,101 @@ class CheckpointStore:
         return answer["Body"].read()
 
     def pointed(self, name: str) -> dict | None:
-        """What `checkpoints/<name>.json` names: {"object", "size", "sha256"}, checked as values (None: no such)."""
-        text = self.read(self.key(f"checkpoints/{name}.json"), limit=4096)
+        """What `checkpoints/<name>.json` names, checked as values (None: no such): {"object", "size", "sha256"} for a
+        file, {"object", "files": {file: {"size", "sha256"}}} for a sharded checkpoint (files under `object`/)."""
+        text = self.read(self.key(f"checkpoints/{name}.json"), limit=1 << 20)
         if text is None:
             return None
         try:
             pointer = json.loads(text)
-            object_, size, digest = pointer["object"], pointer["size"], pointer["sha256"]
-            valid = (
-                isinstance(object_, str)
-                and OBJECT.fullmatch(object_)
-                and object_.startswith(f"checkpoints/{name}.")
-                and type(size) is int
-                and size >= 0
-                and isinstance(digest, str)
-                and re.fullmatch(r"[0-9a-f]{64}", digest)
-            )
-        except (ValueError, KeyError, TypeError):
+            object_ = pointer["object"]
+            valid = isinstance(object_, str) and OBJECT.fullmatch(object_) and object_.startswith(f"checkpoints/{name}")
+            if "files" in pointer:
+                files = pointer["files"]
+                valid = valid and {".metadata", "meta.pt"} <= files.keys() and all(map(SHARD.fullmatch, files))
+                valid = valid and all(is_digest(entry) for entry in files.values())
+                files = {f: {"size": entry["size"], "sha256": entry["sha256"]} for f, entry in files.items()}
+                pointer = {"object": object_, "files": files}
+            else:
+                valid = valid and is_digest(pointer)
+                pointer = {"object": object_, "size": pointer["size"], "sha256": pointer["sha256"]}
+        except (ValueError, KeyError, TypeError, AttributeError):
             valid = False
         if not valid:
             raise UserError(f"{self.url}/checkpoints/{name}.json is no pointer this starter writes; refused")
-        return {"object": object_, "size": size, "sha256": digest}
+        return pointer
 
     def fetch(self, name: str, path: Path) -> bool:
-        """The checkpoint `checkpoints/<name>.json` names, into `path` once its size and sha256 are what the pointer
-        says (a file there replaced in one rename); False where the store has none."""
+        """The checkpoint `checkpoints/<name>.json` names, into `path` once each file's size and sha256 are what the
+        pointer says (a file there replaced in one rename; a sharded one written to a new directory that `path` then
+        points at, as a local save does); False where the store has none."""
         from botocore.exceptions import BotoCoreError, ClientError
+
+        from starter.checkpointing.sharded import point_atomically
 
         try:
             pointer = self.pointed(name)
             if pointer is None:
                 return False
             path.parent.mkdir(parents=True, exist_ok=True)
-            digest, size = hashlib.sha256(), 0
-            with replacing(path, "wb") as file:
-                body = self.client.get_object(Bucket=self.bucket, Key=self.key(pointer["object"]))["Body"]
-                for chunk in body.iter_chunks(1 << 20):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    if size > pointer["size"]:
-                        break
-                    file.write(chunk)
-                if (size, digest.hexdigest()) != (pointer["size"], pointer["sha256"]):
-                    raise UserError(
-                        f"{self.url}/{pointer['object']} is not the checkpoint its pointer names (its size or sha256"
-                        " differs): spoiled or replaced; nothing was loaded from it"
-                    )
+            if "files" not in pointer:
+                self.download(pointer["object"], path, pointer)
+                return True
+            version = f"{path.name}.{pointer['object'].rsplit('-', 1)[1]}"
+            try:
+                for file, expected in pointer["files"].items():
+                    self.download(f"{pointer['object']}/{file}", path.parent / version / file, expected)
+            except BaseException:
+                shutil.rmtree(path.parent / version, ignore_errors=True)
+                raise
+            point_atomically(path, version)
         except (BotoCoreError, ClientError) as err:
             raise self.said(err, f"cannot fetch its {name}") from None
         return True
 
+    def download(self, object_: str, path: Path, expected: dict) -> None:
+        """`object_` into `path` (replaced in one rename) once its size and sha256 are `expected`'s."""
+        digest, size = hashlib.sha256(), 0
+        with replacing(path, "wb") as file:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(object_))["Body"]
+            for chunk in body.iter_chunks(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+                if size > expected["size"]:
+                    break
+                file.write(chunk)
+            if (size, digest.hexdigest()) != (expected["size"], expected["sha256"]):
+                raise UserError(
+                    f"{self.url}/{object_} is not the checkpoint its pointer names (its size or sha256 differs):"
+                    " spoiled or replaced; nothing was loaded from it"
+                )
+
+
+def is_digest(entry) -> bool:
+    """A file's entry in a pointer or a part list: {"size": a count of bytes, "sha256": 64 hex digits}."""
+    size, digest = entry["size"], entry["sha256"]
+    return type(size) is int and size >= 0 and isinstance(digest, str) and bool(re.fullmatch(r"[0-9a-f]{64}", digest))
+
+
+def hashed(file) -> dict:
+    """An open file's size and sha256, read from its start; left at its start again."""
+    digest, size = hashlib.sha256(), 0
+    while chunk := file.read(1 << 20):
+        digest.update(chunk)
+        size += len(chunk)
+    file.seek(0)
+    return {"size": size, "sha256": digest.hexdigest()}
+
 
 class Uploads:
-    """Rank 0's uploads, one at a time in a thread of their own: a newer save of a file replaces an older one still
-    waiting. `flush` waits for what is queued."""
+    """A process's uploads, one at a time in a thread of their own: a newer save of a file replaces an older one still
+    waiting. Rank 0 uploads whole files and the record; every rank its own files of a sharded checkpoint. `flush`
+    waits for what is queued."""
 
-    def __init__(self, store: CheckpointStore):
-        self.store = store
+    def __init__(self, store: CheckpointStore, rank: int = 0, world: int = 1):
+        self.store, self.rank, self.world = store, rank, world
         self.waiting: dict[str, tuple[Path, int]] = {}  # key under the prefix -> (local file, its step), in order
-        self.ours: dict[str, str] = {}  # a pointed file -> the object this process uploaded for it
+        self.ours: dict[str, list[str]] = {}  # a pointed name -> the objects this run uploaded for it
         self.condition = threading.Condition()
         self.busy = False
         self.failed: str | None = None
@@ -179,9 +221,18 @@ class Uploads:
 
     def put(self, path: Path, step: int = 0) -> None:
         """Upload the run's file `path` (a checkpoint of UPLOADED saved at global step `step`, or a record of RECORD)
-        as it is when its turn comes."""
+        as it is when its turn comes: rank 0's, where the whole file is."""
         name = path.name
-        key = f"checkpoints/{name}" if name in UPLOADED else f"run/{name}"
+        if self.rank == 0 and not path.is_symlink() and not path.is_dir():  # a sharded one's name: put_shards
+            self._queue(f"checkpoints/{name}" if name in UPLOADED else f"run/{name}", path, step)
+
+    def put_shards(self, directory: Path, name: str, step: int) -> None:
+        """This rank's files of the sharded checkpoint `directory` (saved as `name`, UPLOADED, at `step`), once they
+        are written (strategies/model_parallel.py tells)."""
+        if name in UPLOADED:
+            self._queue(f"checkpoints/{name}", directory, step)
+
+    def _queue(self, key: str, path: Path, step: int) -> None:
         with self.condition:
             self.waiting.pop(key, None)
             self.waiting[key] = (path, step)
@@ -215,7 +266,10 @@ class Uploads:
                 path, step = self.waiting.pop(key)
                 self.busy = True
             try:
-                self._upload(key, path, step)
+                if path.is_dir():
+                    self._upload_shards(key, path, step)
+                else:
+                    self._upload(key, path, step)
             except Exception as err:  # the run goes on: its local files are whole; said at the flush
                 self.failed = f"{key}: {first_line(err)}"
                 log.warning("checkpoint_store: uploading %s failed: %s", key, first_line(err))
@@ -230,18 +284,65 @@ class Uploads:
             if not key.startswith("checkpoints/"):
                 store.client.upload_fileobj(file, store.bucket, store.key(key))
                 return
-            digest, size = hashlib.sha256(), 0
-            while chunk := file.read(1 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-            file.seek(0)
+            entry = hashed(file)
             name = f"{key}.versions/{step:09d}-{secrets.token_hex(8)}"
             store.client.upload_fileobj(file, store.bucket, store.key(name))
-        pointer = json.dumps({"object": name, "size": size, "sha256": digest.hexdigest()})
-        store.client.put_object(Bucket=store.bucket, Key=store.key(f"{key}.json"), Body=pointer.encode())
-        if (before := self.ours.get(key)) is not None:
+        self._point(key, {"object": name, **entry}, [name])
+
+    def _upload_shards(self, key: str, directory: Path, step: int) -> None:
+        """This rank's files of `directory`, then the list of them; rank 0 then points at the version once every
+        rank's list is there."""
+        store = self.store
+        mine = [f for f in directory.iterdir() if (m := SHARD.fullmatch(f.name)) and int(m[1] or 0) == self.rank]
+        # opened before anything is sent: a later save deletes this version's directory, never what is open here
+        files = {f.name: open(f, "rb") for f in mine}
+        token = hashlib.sha256(directory.name.encode()).hexdigest()[:16]  # the same on every rank
+        name = f"{key}.versions/{step:09d}-{token}"
+        listed = {}
+        try:
+            for file_name, file in files.items():
+                listed[file_name] = hashed(file)
+                store.client.upload_fileobj(file, store.bucket, store.key(f"{name}/{file_name}"))
+        finally:
+            for file in files.values():
+                file.close()
+        part = store.key(f"{name}/part-{self.rank}.json")
+        store.client.put_object(Bucket=store.bucket, Key=part, Body=json.dumps(listed).encode())
+        if self.rank != 0:
+            return
+        every = self._parts(key, name)
+        if every is not None:
+            objects = [f"{name}/{f}" for f in every] + [f"{name}/part-{r}.json" for r in range(self.world)]
+            self._point(key, {"object": name, "files": every}, objects)
+
+    def _parts(self, key: str, name: str) -> dict | None:
+        """Every rank's files of the sharded version `name`, once each rank's list is in the store (checked as values);
+        None where a newer save of `key` is waiting first, or PART_WAIT_S pass (that version is given up)."""
+        every, deadline = {}, time.monotonic() + PART_WAIT_S
+        for rank in range(self.world):
+            while (text := self.store.read(self.store.key(f"{name}/part-{rank}.json"), limit=1 << 20)) is None:
+                with self.condition:
+                    superseded = key in self.waiting
+                if superseded or time.monotonic() > deadline:
+                    why = "a newer save came first" if superseded else f"rank {rank}'s part did not come"
+                    log.warning("checkpoint_store: %s given up (%s); the store keeps the one before", name, why)
+                    return None
+                time.sleep(0.2)
+            listed = json.loads(text)
+            for file, entry in listed.items():
+                match = SHARD.fullmatch(file)
+                if not (match and int(match[1] or 0) == rank and is_digest(entry)):
+                    raise UserError(f"{self.store.url}/{name}/part-{rank}.json names {file!r}: not rank {rank}'s")
+                every[file] = {"size": entry["size"], "sha256": entry["sha256"]}
+        return every
+
+    def _point(self, key: str, pointer: dict, objects: list[str]) -> None:
+        """`key`.json at `pointer` in one PUT; then what this run uploaded for the version before, deleted."""
+        store = self.store
+        store.client.put_object(Bucket=store.bucket, Key=store.key(f"{key}.json"), Body=json.dumps(pointer).encode())
+        for before in self.ours.get(key, []):
             store.client.delete_object(Bucket=store.bucket, Key=store.key(before))
-        self.ours[key] = name
+        self.ours[key] = objects
 
 
 def fetch_for_resume(store: CheckpointStore, checkpoints: Path) -> bool:

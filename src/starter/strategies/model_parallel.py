@@ -39,6 +39,9 @@ class OutsideModelParallel(ModelParallelStrategy):
         self.layout = layout  # the process sizes (topology.py), computed once before launch
         self.sharded_checkpoints = save_distributed_checkpoint
         self.async_save, self.saving, self.saving_group = async_save and save_distributed_checkpoint, None, None
+        # each called on every rank with (a sharded checkpoint's directory, the name it is saved as, its global step)
+        # once this rank's files of it are written: the checkpoint store's uploads (checkpointing/store.py)
+        self.written: list = []
         self.parallelized = False  # fit, then test in the same process: parallelize once
 
     def parallelize(self, module: nn.Module) -> None:
@@ -99,16 +102,18 @@ class OutsideModelParallel(ModelParallelStrategy):
         version = self.broadcast(f"{link.name}.{time.time_ns():x}")  # one name for every rank's shards
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        step = checkpoint.get("global_step", 0)
         with room_for(link):
             (link.parent / version).mkdir(parents=True, exist_ok=True)
             if self.async_save:
                 self._save_meta(checkpoint, link.parent / version)
-                self._write_async(state, link, version)
+                self._write_async(state, link, version, step)
                 return
             from torch.distributed.checkpoint import save
 
             save(state, checkpoint_id=link.parent / version)
             self._save_meta(checkpoint, link.parent / version)
+        self._tell_written(link, version, step)
         self.barrier()  # every shard written
         if self.is_global_zero:
             point_atomically(link, version)
@@ -120,7 +125,7 @@ class OutsideModelParallel(ModelParallelStrategy):
             with open(directory / "meta.pt", "wb") as file:
                 torch.save(checkpoint, file)
 
-    def _write_async(self, state: dict, link: Path, version: str) -> None:
+    def _write_async(self, state: dict, link: Path, version: str, step: int) -> None:
         from torch.distributed import new_group
         from torch.distributed.checkpoint import async_save
 
@@ -128,18 +133,23 @@ class OutsideModelParallel(ModelParallelStrategy):
         if self.saving_group is None:
             self.saving_group = new_group(backend="gloo")
         written = async_save(state, checkpoint_id=link.parent / version, process_group=self.saving_group)
-        self.saving = (written, link, version)
+        self.saving = (written, link, version, step)
 
     def finish_saving(self) -> None:
         """Wait for the checkpoint being written, then point its name at it (rank 0's writing ends last: DCP's
         coordinator writes `.metadata` once every rank's shards are written)."""
         saving, self.saving = self.saving, None
         if saving is not None:
-            written, link, version = saving
+            written, link, version, step = saving
             with room_for(link):
                 written.result()
+            self._tell_written(link, version, step)
             if self.is_global_zero:
                 point_atomically(link, version)
+
+    def _tell_written(self, link: Path, version: str, step: int) -> None:
+        for tell in self.written:
+            tell(link.parent / version, link.name, step)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Lightning's reading of a sharded checkpoint (the model's shards, each optimizer's, then meta.pt: the rest),
