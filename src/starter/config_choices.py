@@ -74,3 +74,12 @@ def leaves(node, prefix: str = "") -> dict:
     if not isinstance(node, dict):
         return {prefix.rstrip("."): node}
     return {key: value for name, child in node.items() for key, value in leaves(child, f"{prefix}{name}.").items()}
+
+
+def differences(mine: dict, theirs: dict, whose: str) -> str:
+    """How two configs' leaves differ, as a line says it: `seed=3 (node 0: 42), ...`, the first three keys and how many
+    more; "" where none does (a key one lacks differs from one holding None)."""
+    absent = object()
+    differ = sorted(key for key in mine.keys() | theirs.keys() if mine.get(key, absent) != theirs.get(key, absent))
+    shown = ", ".join(f"{key}={mine.get(key, '(none)')} ({whose}: {theirs.get(key, '(none)')})" for key in differ[:3])
+    return shown + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")

@@ -90,14 +90,13 @@ class CheckpointStore:
         except (BotoCoreError, ClientError) as err:
             raise self.said(err, "cannot reach it") from None
         if recorded is not None and recorded != config.encode():
-            from starter.config_choices import leaves
+            from starter.config_choices import differences, leaves
 
             try:
                 theirs, ours = leaves(json.loads(recorded)), leaves(json.loads(config))
             except (ValueError, AttributeError):
                 theirs, ours = {"(unreadable)": 1}, {}
-            differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k, "-") != ours.get(k, "-"))
-            shown = ", ".join(f"{k}={ours.get(k, '(none)')} (there: {theirs.get(k, '(none)')})" for k in differ[:3])
+            shown = differences(ours, theirs, "there")
             raise UserError(
                 f"checkpoint_store={self.url} holds a run of another config: {shown}; give this run a prefix of its"
                 " own, or the config that run had"

@@ -8,7 +8,7 @@ import os
 import time
 from datetime import timedelta
 
-from starter.config_choices import leaves
+from starter.config_choices import differences, leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
 from starter.run_failure import failure, report
 from starter.run_store import answers, free_port, listening, serve_store
@@ -127,11 +127,7 @@ def meeting_config(cfg) -> str:
 
 def disagreement(node: int, theirs: dict, ours: dict) -> str:
     """One line: how node `node`'s config differs from node 0's (a few keys)."""
-    mine, first = leaves(theirs), leaves(ours)
-    differing = sorted(key for key in mine.keys() | first.keys() if mine.get(key, "-") != first.get(key, "-"))
-    shown = ", ".join(f"{key}={mine.get(key, '(none)')} (node 0: {first.get(key, '(none)')})" for key in differing[:3])
-    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
     return (
-        f"node {node} runs another config than node 0: {shown}{more}; start every node with the same command and"
-        " overrides (NODE_RANK apart), or give another run its own MASTER_PORT"
+        f"node {node} runs another config than node 0: {differences(leaves(theirs), leaves(ours), 'node 0')}; start"
+        " every node with the same command and overrides (NODE_RANK apart), or give another run its own MASTER_PORT"
     )

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from fnmatch import fnmatchcase
 
+from starter.config_choices import differences
 from starter.job_token import opened, signed
 
 
@@ -78,10 +79,10 @@ def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bo
                 f" or another job's group at {lighthouse}): refused"
             )
         theirs = json.loads(config)
-        differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+        differ = differences(ours, theirs, f"replica group {group}")
         if int(group) == me:
             if differ and joining:
-                said = _said(ours, theirs, differ, "theirs")
+                said = differences(ours, theirs, "theirs")
                 return True, (
                     f"replica group {group} at {lighthouse} trains another config ({said}): it is another job's;"
                     " give each job its own fault_tolerance.lighthouse_port"
@@ -90,16 +91,11 @@ def disagreement(store_addr: str, strategy, global_ranks: list[int], joining: bo
                 return False, f"a second replica group {group} came: refused, training on"
             return True, f"replica group {me} is here already; give each group its own fault_tolerance.replica_group"
         if differ and not joining:
-            said = _said(theirs, ours, differ)
+            said = differences(theirs, ours, "here")
             return False, f"replica group {group} came with another config ({said}): refused, training on"
         if differ:
             return True, (
-                f"replica group {me} trains another config than replica group {group}:"
-                f" {_said(ours, theirs, differ, f'replica group {group}')}; start every group with the same config, its"
-                " fault_tolerance.replica_group apart"
+                f"replica group {me} trains another config than replica group {group}: {differ}; start every group"
+                " with the same config, its fault_tolerance.replica_group apart"
             )
     return None
-
-
-def _said(mine: dict, other: dict, keys: list[str], whose: str = "here") -> str:
-    return ", ".join(f"{k}={mine.get(k, '(none)')} ({whose}: {other.get(k, '(none)')})" for k in keys[:3])
