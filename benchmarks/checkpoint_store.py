@@ -3,6 +3,9 @@ AdamW's state), a checkpoint every 10 steps (last.ckpt; best.ckpt each epoch), a
 local disk only; REPEATS runs of each, interleaved, into moto's S3 server on this machine (its own disk: what the
 network adds elsewhere is not measured here, and the uploads run beside training wherever they go).
 
+`--strategy fsdp`: the same on 2 processes, each checkpoint sharded (every rank uploads its own files, rank 0 names
+the checkpoint once both ranks' lists are there).
+
 Per run: the median step without a checkpoint, the median step that saves one (the local write, and with a store the
 hand-over to the upload thread), what the run's end waits for the last uploads, and, for a run stopped by SIGTERM
 mid-epoch, the seconds from the signal to its exit (a stop uploads its last.ckpt before it exits).
@@ -44,9 +47,9 @@ class StepTimes(L.Callback):
         self.output.write_text(json.dumps(self.times))
 
 
-def run(scratch: Path, store: list[str], env: dict) -> dict:
+def run(scratch: Path, store: list[str], env: dict, strategy: list[str]) -> dict:
     times = scratch / "times.json"
-    command = train_command(*RUN, *store, f"paths.log_dir={scratch / 'logs'}",
+    command = train_command(*RUN, *strategy, *store, f"paths.log_dir={scratch / 'logs'}",
                             "+callbacks.times._target_=benchmarks.checkpoint_store.StepTimes",
                             f"+callbacks.times.output={times}")  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -61,9 +64,9 @@ def run(scratch: Path, store: list[str], env: dict) -> dict:
             "end_wait_s": waited[0] if waited else 0.0}  # fmt: skip
 
 
-def stopped(scratch: Path, store: list[str], env: dict) -> float:
+def stopped(scratch: Path, store: list[str], env: dict, strategy: list[str]) -> float:
     """Seconds from SIGTERM (mid-run, after the second checkpoint) to the run's exit."""
-    command = train_command(*RUN, *store, "trainer.max_epochs=40", f"paths.log_dir={scratch / 'logs'}")
+    command = train_command(*RUN, *strategy, *store, "trainer.max_epochs=40", f"paths.log_dir={scratch / 'logs'}")
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 300
     while not list(scratch.glob("logs/train/runs/*/checkpoints/best.ckpt")) and time.monotonic() < deadline:
@@ -81,7 +84,12 @@ def main() -> None:
 
     import boto3
 
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=["auto", "fsdp"], default="auto")
+    strategy = parser.parse_args().strategy
+    overrides = ["strategy=fsdp", "devices=2"] if strategy == "fsdp" else []
+    what = "one process, 13 MB checkpoints" if strategy == "auto" else "fsdp, 2 processes, 13 MB sharded checkpoints"
+    output = "checkpoint_store" if strategy == "auto" else "checkpoint_store_fsdp"
     scratch = Path(tempfile.mkdtemp(prefix="checkpoint-store-"))
     (scratch / "s3").mkdir()
     s3 = LocalS3(scratch / "s3")
@@ -95,11 +103,11 @@ def main() -> None:
     try:
         for i in range(REPEATS):  # interleaved: the machine's drift falls on both alike
             for name, store in modes.items():
-                results[name]["runs"].append(run(scratch / f"{name[0]}{i}", store(i), env))
-                results[name]["stop_s"].append(stopped(scratch / f"s{name[0]}{i}", store(f"stop-{i}"), env))
+                results[name]["runs"].append(run(scratch / f"{name[0]}{i}", store(i), env, overrides))
+                results[name]["stop_s"].append(stopped(scratch / f"s{name[0]}{i}", store(f"stop-{i}"), env, overrides))
     finally:
         s3.stop()
-    (RESULTS / "checkpoint_store.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{output}.json").write_text(json.dumps(results, indent=1))
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name]["runs"])
@@ -114,16 +122,17 @@ def main() -> None:
         rows.append([name, spread(name, "step_s"), f"{median(name, 'step_s') / median('local disk', 'step_s'):.3f}",
                      spread(name, "after_save_s"), f"{median(name, 'end_wait_s'):.2f}",
                      f"{statistics.median(stops):.2f} [{min(stops):.2f}-{max(stops):.2f}]"])  # fmt: skip
-    table = markdown_table(["one process, 13 MB checkpoints", "step, ms (median [min-max] of 5 runs)", "/ local disk",
+    table = markdown_table([what, "step, ms (median [min-max] of 5 runs)", "/ local disk",
                             "the 10 steps after a save, ms", "end waits for uploads, s",
                             "SIGTERM to exit, s"], rows)  # fmt: skip
     text = (
-        f"{table}\n\nMade by `python -m benchmarks.checkpoint_store` on {os.cpu_count()} CPUs: {REPEATS} runs of each,"
+        f"{table}\n\nMade by `python -m benchmarks.checkpoint_store{' --strategy fsdp' * (strategy == 'fsdp')}` on"
+        f" {os.cpu_count()} CPUs: {REPEATS} runs of each,"
         f" interleaved, each 200 steps with last.ckpt and best.ckpt saved every {EVERY} (2 x 13 MB), uploaded to moto's"
         " S3 server on this machine: its CPU time, the upload thread's hashing and boto3's are on the training's 2"
         " cores; the save itself is local in both (the table's 'step' excludes the epoch boundary, which saves).\n"
     )
-    (RESULTS / "checkpoint_store.md").write_text(text)
+    (RESULTS / f"{output}.md").write_text(text)
     print(text)
 
 
