@@ -44,7 +44,8 @@ class StepTimes(L.Callback):
         self.started = now
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.output.write_text(json.dumps(self.times))
+        if trainer.is_global_zero:  # rank 0's steps: a sharded save waits for every rank
+            self.output.write_text(json.dumps(self.times))
 
 
 def run(scratch: Path, store: list[str], env: dict, strategy: list[str]) -> dict:
@@ -132,6 +133,11 @@ def main() -> None:
         " S3 server on this machine: its CPU time, the upload thread's hashing and boto3's are on the training's 2"
         " cores; the save itself is local in both (the table's 'step' excludes the epoch boundary, which saves).\n"
     )
+    if strategy == "fsdp":
+        text += (
+            "Rank 0's steps (a save waits for every rank's shards); each rank uploads its own shard, rank 0 the"
+            " metadata and meta.pt, then names the checkpoint once both ranks' lists are in the store.\n"
+        )
     (RESULTS / f"{output}.md").write_text(text)
     print(text)
 

@@ -21,7 +21,8 @@ BENCHMARKS = [
     "checkpoint_store",
 ]
 BENCHMARKS += ["data_paths", "strategy_matrix", "gpu_scaling", "gpu_matrix", "predict_speed"]  # full examples
-RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]]}
+RUNS = {"host_syncs": [["accelerator=cpu"], ["strategy=ddp", "devices=2", "accelerator=cpu"]],
+        "checkpoint_store": [[], ["--strategy", "fsdp"]]}  # fmt: skip
 
 
 def verdicts() -> list[str]:
@@ -119,7 +120,7 @@ def main() -> None:
         "## Replica groups that meet every H steps: fault_tolerance.sync_every (DiLoCo, CPU)",
         (RESULTS / "diloco.md").read_text(),
         "## Checkpoints in an object store: checkpoint_store against the local disk (CPU)",
-        (RESULTS / "checkpoint_store.md").read_text(),
+        (RESULTS / "checkpoint_store.md").read_text(), (RESULTS / "checkpoint_store_fsdp.md").read_text(),
         "## Predict: images/s against the test loop of the same checkpoint (one process, CPU)",  # full examples
         (RESULTS / "predict_speed.md").read_text(),  # full examples
         "## Strategy x precision (CPU)", (RESULTS / "strategy_matrix.md").read_text(),  # full examples
