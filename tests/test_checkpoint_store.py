@@ -4,6 +4,7 @@ weights; never half a checkpoint, never someone else's; bad input in one line be
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from conftest import (
     ROOT,
     compose_config,
     correct,
+    free_port,
     model_weights,
     on_bed,
     predict,
@@ -183,16 +185,18 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_named(s3, tmp_path, 
         torch.save({"global_step": step}, path)
     uploads.put(first, 5)
     assert uploads.flush(timeout=60)
-    upload = store.client.upload_fileobj
+    put = store.objects.put
 
-    def cut_short(file, bucket, key, **kwargs):
-        file.read(10)
+    def cut_short(key, body):
+        if isinstance(body, bytes):  # a pointer
+            return put(key, body)
+        body.read(10)
         raise ConnectionError("the machine went away mid-upload")
 
-    monkeypatch.setattr(store.client, "upload_fileobj", cut_short)
+    monkeypatch.setattr(store.objects, "put", cut_short)
     uploads.put(second, 10)
     assert uploads.flush(timeout=60) and "the machine went away" in uploads.failed
-    monkeypatch.setattr(store.client, "upload_fileobj", upload)
+    monkeypatch.setattr(store.objects, "put", put)
     assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt")
     assert torch.load(tmp_path / "fresh" / "last.ckpt", weights_only=True)["global_step"] == 5
 
@@ -204,7 +208,8 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_named(s3, tmp_path, 
          " does not answer; check AWS_ENDPOINT_URL and the network"),
         ({"AWS_ACCESS_KEY_ID": "AKIANOBODY"}, "s3://runs/x", "refuses these credentials"),
         ({}, "s3://nobucket/x", "no bucket nobucket at http://127.0.0.1:"),
-        ({}, "gs://runs/x", "give s3://bucket/prefix (AWS, or an S3-compatible store through AWS_ENDPOINT_URL)"),
+        ({}, "az://runs/x", "give s3://bucket/prefix (AWS, or an S3-compatible store through AWS_ENDPOINT_URL) or"
+         " gs://bucket/prefix (Google Cloud Storage); az:// is not supported yet"),
     ],
     ids=["unreachable", "credentials", "bucket", "scheme"],
 )  # fmt: skip
@@ -275,3 +280,91 @@ def test_a_sharded_checkpoint_is_named_only_once_every_ranks_part_is_in_the_stor
         client(s3).put_object(Bucket="runs", Key="shards/checkpoints/last.ckpt.json", Body=planted)
         with pytest.raises(UserError, match="checkpoints/last.ckpt.json is no pointer this starter writes"):
             store.fetch("last.ckpt", tmp_path / "planted" / "last.ckpt")
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """Google Cloud Storage's API on 127.0.0.1 (gcp-storage-emulator, in memory), with a bucket `runs`: the variable
+    that reaches it."""
+    port, log = free_port(), tmp_path_factory.mktemp("gcs") / "gcs.log"
+    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port),
+               "--in-memory", "--default-bucket", "runs"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+    yield {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+    server.kill()
+    server.wait()
+
+
+def test_a_gs_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(gcs, tmp_path, monkeypatch):
+    # the same store through Google Cloud Storage's API: a whole file and a sharded one uploaded, named, fetched; the
+    # one before deleted; an upload cut short never makes an object; a spoiled one refused; a missing bucket said
+    for name, value in gcs.items():
+        monkeypatch.setenv(name, value)
+    from starter.checkpointing.store import CheckpointStore, Uploads
+
+    store = CheckpointStore("gs://runs/g")
+    ranks = [Uploads(store, rank, world=2) for rank in range(2)]
+    whole = tmp_path / "node0" / "last.ckpt"
+    whole.parent.mkdir(parents=True)
+    for step in (5, 10):
+        torch.save({"global_step": step}, whole)
+        ranks[0].put(whole, step)
+        assert ranks[0].flush(timeout=60) and ranks[0].failed is None
+    for rank, uploads in enumerate(ranks):
+        uploads.put_shards(sharded(tmp_path / f"disk{rank}" / "best.ckpt.a", 10), "best.ckpt", 10)
+    assert all(uploads.flush(timeout=60) for uploads in ranks)
+    listed = store.objects.fs.find("runs/g")
+    assert len([k for k in listed if "/last.ckpt.versions/" in k]) == 1  # the one before: deleted
+    assert len([k for k in listed if "/best.ckpt.versions/" in k]) == 6  # four files, two lists
+    assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt") and store.fetch(
+        "best.ckpt", tmp_path / "fresh" / "best.ckpt"
+    )
+    assert torch.load(tmp_path / "fresh" / "last.ckpt", weights_only=True)["global_step"] == 10
+    assert (tmp_path / "fresh" / "best.ckpt" / "__1_0.distcp").read_bytes() == bytes([1, 10]) * 1000
+    put = store.objects.put
+
+    def cut_short(key, body):
+        if isinstance(body, bytes):
+            return put(key, body)
+        return put(key, Breaking(body))
+
+    monkeypatch.setattr(store.objects, "put", cut_short)
+    torch.save({"global_step": 15}, whole)
+    ranks[0].put(whole, 15)
+    assert ranks[0].flush(timeout=60) and "the machine went away" in ranks[0].failed
+    assert not [k for k in store.objects.fs.find("runs/g") if "/000000015-" in k]  # nothing of it committed
+    monkeypatch.setattr(store.objects, "put", put)
+    named = pointer_at(store, "last.ckpt")
+    assert named.startswith("checkpoints/last.ckpt.versions/000000010-")
+    store.objects.put(store.key(named), b"someone else's")
+    with pytest.raises(UserError, match=r"gs://runs/g/checkpoints/last\.ckpt\.versions/000000010-[0-9a-f]+ is not the"):
+        store.fetch("last.ckpt", tmp_path / "spoiled" / "last.ckpt")
+    with pytest.raises(
+        UserError, match=r"checkpoint_store=gs://nobucket/x: no bucket nobucket at http://127\.0\.0\.1:"
+    ):
+        prepare(compose_config(["checkpoint_store=gs://nobucket/x", "accelerator=cpu"], tmp_path / "run"))
+
+
+class Breaking:
+    """A file that gives 10 bytes, then fails as a machine going away mid-upload."""
+
+    def __init__(self, file):
+        self.file, self.given = file, 0
+
+    def read(self, size=-1) -> bytes:
+        if self.given:
+            raise ConnectionError("the machine went away mid-upload")
+        self.given = 10
+        return self.file.read(10)
+
+
+def pointer_at(store, name: str) -> str:
+    return json.loads(store.read(store.key(f"checkpoints/{name}.json"), limit=4096))["object"]

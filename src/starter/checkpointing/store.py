@@ -1,5 +1,5 @@
-"""`checkpoint_store=s3://bucket/prefix`: a run's checkpoints and record kept in an object store beside its run
-directory, so that a job rescheduled onto a fresh machine continues from them (`ckpt_path=auto`).
+"""`checkpoint_store=s3://bucket/prefix` (or gs://): a run's checkpoints and record kept in an object store beside
+its run directory, so that a job rescheduled onto a fresh machine continues from them (`ckpt_path=auto`).
 
 The run writes its files locally as always; a thread of rank 0 uploads each checkpoint once it is saved (the step
 never waits on the network), under a name of its own (`checkpoints/<file>.versions/<step>-<token>`), then points
@@ -7,13 +7,13 @@ never waits on the network), under a name of its own (`checkpoints/<file>.versio
 uploaded by every rank, each its own files (so nodes that share no disk each send theirs), with a list of them
 (`part-<rank>.json`); rank 0 points at the version once every rank's list is there, naming each file's size and
 sha256. A checkpoint counts as written only once all of it is there: a kill or a stop mid-upload leaves the previous
-one named. Once pointed away from, what this process uploaded before is deleted;
-nothing else is (the checkpoint the run resumed from, another run's, anything outside the prefix). What the store
+one named. Once pointed away from, what this run uploaded before is deleted; nothing else is (the checkpoint the run
+resumed from, another run's, anything outside the prefix). What the store
 holds is read as any file of someone else's: the pointer supplies values only (an object inside the prefix, a size,
 a sha256), the object is checked against both and then loaded weights-only, as a local checkpoint is. `run/config.json`
 records the config (as nodes compare theirs: launch/nodes.meeting_config): a prefix holding another config's run is
-refused. Credentials come from the standard AWS chain (AWS_* variables, ~/.aws, an instance role), never written; an
-endpoint of one's own from AWS_ENDPOINT_URL."""
+refused. Credentials come from the store's standard chain, never written (checkpointing/buckets.py: AWS's, an
+endpoint of one's own from AWS_ENDPOINT_URL; Google's default credentials)."""
 
 import hashlib
 import json
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 UPLOADED = ("last.ckpt", "best.ckpt", "model.pt")  # under checkpoints/, pointed at
 RECORD = ("config.yaml", "metrics.csv", "metrics.json")  # the run's record, under run/
-REFUSED = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")  # the store's "not you"
 OBJECT = re.compile(r"checkpoints/(last\.ckpt|best\.ckpt|model\.pt)\.versions/[0-9]+-[0-9a-f]{16}")
 SHARD = re.compile(r"__([0-9]+)_[0-9]+\.distcp|\.metadata|meta\.pt")  # a sharded checkpoint's: DCP's, meta.pt
 PART_WAIT_S = 300.0  # how long rank 0 waits for the other ranks' parts of a sharded checkpoint before giving it up
@@ -41,53 +40,40 @@ PART_WAIT_S = 300.0  # how long rank 0 waits for the other ranks' parts of a sha
 
 class CheckpointStore:
     def __init__(self, url: str):
+        from starter.checkpointing.buckets import SCHEMES
+
         scheme, _, rest = url.partition("://")
-        if scheme != "s3":
+        if scheme not in SCHEMES:
             raise UserError(
                 f"checkpoint_store={url}: give s3://bucket/prefix (AWS, or an S3-compatible store through"
-                " AWS_ENDPOINT_URL); gs:// and az:// are not supported yet"
+                " AWS_ENDPOINT_URL) or gs://bucket/prefix (Google Cloud Storage); az:// is not supported yet"
             )
         self.bucket, _, prefix = rest.partition("/")
         if not self.bucket:
-            raise UserError(f"checkpoint_store={url}: name a bucket, s3://bucket/prefix")
+            raise UserError(f"checkpoint_store={url}: name a bucket, {scheme}://bucket/prefix")
         self.url, self.prefix = url, prefix.strip("/")
-        try:
-            import boto3
-        except ImportError:
-            raise UserError(f"checkpoint_store={url} needs boto3: pip install -e '.[store]'") from None
-        self.client = boto3.session.Session().client("s3")  # the environment as it is now
+        self.objects = SCHEMES[scheme](self.bucket, url)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def said(self, err: Exception, what: str) -> UserError:
-        """One line for what the store answered: unreachable, credentials, a bucket that does not exist."""
-        from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
-
-        where = self.client.meta.endpoint_url
-        if isinstance(err, EndpointConnectionError):
-            why = f"its endpoint {where} does not answer; check AWS_ENDPOINT_URL and the network"
-        elif isinstance(err, NoCredentialsError):
-            why = "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, an instance role)"
-        elif isinstance(err, ClientError) and err.response["Error"]["Code"] in ("NoSuchBucket", "404"):
-            why = f"no bucket {self.bucket} at {where}; create it, or name another"
-        elif isinstance(err, ClientError) and err.response["Error"]["Code"] in REFUSED:
-            why = f"{where} refuses these credentials ({err.response['Error']['Code']}); check AWS_ACCESS_KEY_ID"
-        else:
-            why = first_line(err)
-        return UserError(f"checkpoint_store={self.url}: {what}: {why}")
+        """One line for what the store answered: unreachable, credentials."""
+        return UserError(f"checkpoint_store={self.url}: {what}: {self.objects.why(err)}")
 
     def check(self, config: str) -> None:
         """Before training: the store answers, these credentials may read and write the bucket, and the prefix holds
         no run of another config (else this run's config is recorded there)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         try:
-            self.client.head_bucket(Bucket=self.bucket)
+            if not self.objects.exists():
+                raise UserError(
+                    f"checkpoint_store={self.url}: no bucket {self.bucket} at {self.objects.where}; create it, or"
+                    " name another"
+                )
             recorded = self.read(self.key("run/config.json"), limit=1 << 20)
             if recorded is None:
-                self.client.put_object(Bucket=self.bucket, Key=self.key("run/config.json"), Body=config.encode())
-        except (BotoCoreError, ClientError) as err:
+                self.objects.put(self.key("run/config.json"), config.encode())
+        except self.objects.errors as err:
             raise self.said(err, "cannot reach it") from None
         if recorded is not None and recorded != config.encode():
             from starter.config_choices import differences, leaves
@@ -104,17 +90,13 @@ class CheckpointStore:
 
     def read(self, key: str, limit: int) -> bytes | None:
         """An object's bytes (None where there is none), at most `limit` of them."""
-        from botocore.exceptions import ClientError
-
-        try:
-            answer = self.client.get_object(Bucket=self.bucket, Key=key)
-        except ClientError as err:
-            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                return None
-            raise
-        if answer["ContentLength"] > limit:
-            raise UserError(f"{self.url}: {key} is {answer['ContentLength']} bytes, not a record of this starter")
-        return answer["Body"].read()
+        got = self.objects.get(key)
+        if got is None:
+            return None
+        size, chunks = got
+        if size > limit:
+            raise UserError(f"{self.url}: {key} is {size} bytes, not a record of this starter")
+        return b"".join(chunks)
 
     def pointed(self, name: str) -> dict | None:
         """What `checkpoints/<name>.json` names, checked as values (None: no such): {"object", "size", "sha256"} for a
@@ -145,8 +127,6 @@ class CheckpointStore:
         """The checkpoint `checkpoints/<name>.json` names, into `path` once each file's size and sha256 are what the
         pointer says (a file there replaced in one rename; a sharded one written to a new directory that `path` then
         points at, as a local save does); False where the store has none."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         from starter.checkpointing.sharded import point_atomically
 
         try:
@@ -165,16 +145,18 @@ class CheckpointStore:
                 shutil.rmtree(path.parent / version, ignore_errors=True)
                 raise
             point_atomically(path, version)
-        except (BotoCoreError, ClientError) as err:
+        except self.objects.errors as err:
             raise self.said(err, f"cannot fetch its {name}") from None
         return True
 
     def download(self, object_: str, path: Path, expected: dict) -> None:
         """`object_` into `path` (replaced in one rename) once its size and sha256 are `expected`'s."""
         digest, size = hashlib.sha256(), 0
+        got = self.objects.get(self.key(object_))
+        if got is None:
+            raise UserError(f"{self.url}/{object_}, which its pointer names, is not there: nothing was loaded from it")
         with replacing(path, "wb") as file:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key(object_))["Body"]
-            for chunk in body.iter_chunks(1 << 20):
+            for chunk in got[1]:
                 digest.update(chunk)
                 size += len(chunk)
                 if size > expected["size"]:
@@ -281,11 +263,11 @@ class Uploads:
         store = self.store
         with open(path, "rb") as file:  # this version, whatever replaces the file meanwhile
             if not key.startswith("checkpoints/"):
-                store.client.upload_fileobj(file, store.bucket, store.key(key))
+                store.objects.put(store.key(key), file)
                 return
             entry = hashed(file)
             name = f"{key}.versions/{step:09d}-{secrets.token_hex(8)}"
-            store.client.upload_fileobj(file, store.bucket, store.key(name))
+            store.objects.put(store.key(name), file)
         self._point(key, {"object": name, **entry}, [name])
 
     def _upload_shards(self, key: str, directory: Path, step: int) -> None:
@@ -301,12 +283,11 @@ class Uploads:
         try:
             for file_name, file in files.items():
                 listed[file_name] = hashed(file)
-                store.client.upload_fileobj(file, store.bucket, store.key(f"{name}/{file_name}"))
+                store.objects.put(store.key(f"{name}/{file_name}"), file)
         finally:
             for file in files.values():
                 file.close()
-        part = store.key(f"{name}/part-{self.rank}.json")
-        store.client.put_object(Bucket=store.bucket, Key=part, Body=json.dumps(listed).encode())
+        store.objects.put(store.key(f"{name}/part-{self.rank}.json"), json.dumps(listed).encode())
         if self.rank != 0:
             return
         every = self._parts(key, name)
@@ -338,9 +319,9 @@ class Uploads:
     def _point(self, key: str, pointer: dict, objects: list[str]) -> None:
         """`key`.json at `pointer` in one PUT; then what this run uploaded for the version before, deleted."""
         store = self.store
-        store.client.put_object(Bucket=store.bucket, Key=store.key(f"{key}.json"), Body=json.dumps(pointer).encode())
+        store.objects.put(store.key(f"{key}.json"), json.dumps(pointer).encode())
         for before in self.ours.get(key, []):
-            store.client.delete_object(Bucket=store.bucket, Key=store.key(before))
+            store.objects.delete(store.key(before))
         self.ours[key] = objects
 
 
