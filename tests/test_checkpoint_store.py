@@ -182,7 +182,7 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_named(s3, tmp_path, 
     first, second = tmp_path / "a" / "last.ckpt", tmp_path / "b" / "last.ckpt"
     for path, step in ((first, 5), (second, 10)):
         path.parent.mkdir()
-        torch.save({"global_step": step}, path)
+        torch.save({"global_step": step, "weights": torch.zeros(11 << 19)}, path)  # 22 MB: uploaded in parts
     uploads.put(first, 5)
     assert uploads.flush(timeout=60)
     put = store.objects.put
@@ -315,7 +315,7 @@ def test_a_gs_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(gcs, tmp_p
     whole = tmp_path / "node0" / "last.ckpt"
     whole.parent.mkdir(parents=True)
     for step in (5, 10):
-        torch.save({"global_step": step}, whole)
+        torch.save({"global_step": step, "weights": torch.zeros(11 << 19)}, whole)  # 22 MB: sent in several blocks
         ranks[0].put(whole, step)
         assert ranks[0].flush(timeout=60) and ranks[0].failed is None
     for rank, uploads in enumerate(ranks):

@@ -175,14 +175,21 @@ def is_digest(entry) -> bool:
     return type(size) is int and size >= 0 and isinstance(digest, str) and bool(re.fullmatch(r"[0-9a-f]{64}", digest))
 
 
-def hashed(file) -> dict:
-    """An open file's size and sha256, read from its start; left at its start again."""
-    digest, size = hashlib.sha256(), 0
-    while chunk := file.read(1 << 20):
-        digest.update(chunk)
-        size += len(chunk)
-    file.seek(0)
-    return {"size": size, "sha256": digest.hexdigest()}
+class Hashing:
+    """A file read once, front to back, as it is uploaded: its size and sha256 counted on the way (no `seek`: an
+    uploader reads it as a stream, and keeps what it resends)."""
+
+    def __init__(self, file):
+        self.file, self.digest, self.size = file, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.file.read(size)
+        self.digest.update(chunk)
+        self.size += len(chunk)
+        return chunk
+
+    def entry(self) -> dict:
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
 
 
 class Uploads:
@@ -265,10 +272,9 @@ class Uploads:
             if not key.startswith("checkpoints/"):
                 store.objects.put(store.key(key), file)
                 return
-            entry = hashed(file)
-            name = f"{key}.versions/{step:09d}-{secrets.token_hex(8)}"
-            store.objects.put(store.key(name), file)
-        self._point(key, {"object": name, **entry}, [name])
+            name, read = f"{key}.versions/{step:09d}-{secrets.token_hex(8)}", Hashing(file)
+            store.objects.put(store.key(name), read)
+        self._point(key, {"object": name, **read.entry()}, [name])
 
     def _upload_shards(self, key: str, directory: Path, step: int) -> None:
         """This rank's files of `directory`, then the list of them; rank 0 then points at the version once every
@@ -282,8 +288,9 @@ class Uploads:
         listed = {}
         try:
             for file_name, file in files.items():
-                listed[file_name] = hashed(file)
-                store.objects.put(store.key(f"{name}/{file_name}"), file)
+                read = Hashing(file)
+                store.objects.put(store.key(f"{name}/{file_name}"), read)
+                listed[file_name] = read.entry()
         finally:
             for file in files.values():
                 file.close()
