@@ -139,6 +139,31 @@ class SlowSaves(L.Callback):
             time.sleep(self.seconds)
 
 
+class HangingUploads(L.Callback):
+    """Rank 0's checkpoint store sends the second last.ckpt `seconds` slower, writing its key to `output` as it starts
+    (a kill lands mid-upload); where `output` exists already (a later run of the same config), nothing is slower."""
+
+    def __init__(self, seconds: float, output: str):
+        self.seconds, self.output, self.sent = seconds, Path(output), 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        uploads = next((c.uploads for c in trainer.callbacks if getattr(c, "uploads", None)), None)
+        if uploads is None or self.output.exists():
+            return
+        objects, put = uploads.store.objects, uploads.store.objects.put
+
+        def hanging(key: str, body) -> None:
+            if "/last.ckpt.versions/" in key:
+                self.sent += 1
+                if self.sent == 2:
+                    self.output.write_text(key)
+                    body.read(1000)
+                    time.sleep(self.seconds)
+            put(key, body)
+
+        objects.put = hanging
+
+
 class RecordCompiledGraphs(L.Callback):
     """Writes `<output>/rank<r>.json`: the graphs torch.compile made in this process by the end of training."""
 

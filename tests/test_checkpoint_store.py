@@ -146,6 +146,36 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
         assert len(rows) == len(list(digit_files.iterdir())) and correct(rows) > len(rows) // 2  # chance: a tenth
 
 
+@pytest.mark.slow
+def test_a_run_killed_mid_upload_leaves_the_checkpoint_before_named_and_continues_from_it_elsewhere(
+    s3, tmp_path, monkeypatch
+):
+    # SIGKILL while the second checkpoint is on its way: the store still names the first, whole; another machine
+    # continues from it to the uninterrupted run's weights
+    prefix, hang = "killed", ["+callbacks.hang._target_=probes.HangingUploads", "+callbacks.hang.seconds=60",
+                              f"+callbacks.hang.output={tmp_path / 'uploading'}"]  # fmt: skip
+    first = start(tmp_path / "first", s3.env, prefix, *hang)
+    with reaped(first):
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "uploading").exists():
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        first.kill()
+        first.wait(timeout=60)
+    named, cut_short = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json"), (tmp_path / "uploading").read_text()
+    assert cut_short.startswith(f"{prefix}/checkpoints/last.ckpt.versions/000000010-")  # the second epoch's
+    assert named["object"].startswith("checkpoints/last.ckpt.versions/000000005-")  # the first's, still named
+    train(tmp_path / "reference", *LONG)
+    expected = model_weights(run_dirs(tmp_path / "reference")[0])
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    second = train(tmp_path / "second", *LONG, f"checkpoint_store=s3://runs/{prefix}", *hang)  # the same config
+    assert f"s3://runs/{prefix}/checkpoints/last.ckpt fetched" in second.stdout + second.stderr
+    assert global_step(next((tmp_path / "second").glob("logs/train/runs/*/checkpoints/last.ckpt"))) == 60
+    continued = model_weights(run_dirs(tmp_path / "second")[0])
+    assert all(torch.equal(expected[k], continued[k]) for k in expected), "not the uninterrupted run's weights"
+
+
 def test_a_spoiled_checkpoint_in_the_store_is_refused_in_one_line_and_nothing_is_loaded(s3, tmp_path, monkeypatch):
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
