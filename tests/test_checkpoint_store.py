@@ -69,6 +69,11 @@ LONG = [*(o for o in MLP_20_STEPS if not o.startswith("trainer.max_epochs=")), "
         "ckpt_path=auto"]  # fmt: skip
 
 
+def version_step(key: str) -> int:
+    """The global step of an uploaded version (`.../<name>.versions/<step>-<token>`)."""
+    return int(key.rsplit("/", 1)[1].split("-")[0])
+
+
 def global_step(checkpoint: Path) -> int:
     """The step a checkpoint was saved at: a file, or a sharded one's meta.pt."""
     return torch.load(checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint, weights_only=True)["global_step"]
@@ -110,6 +115,7 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=120)
     assert first.returncode == 143, err[-3000:]
+    assert "upload failed" not in err and "uploading" not in err, err[-3000:]  # each checkpoint sent once, whole
     stopped_at = global_step(next((tmp_path / "first").glob("logs/train/runs/*/checkpoints/last.ckpt")))
     uploaded = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json")
     assert uploaded["object"].startswith(f"checkpoints/last.ckpt.versions/{stopped_at:09d}-")  # the stop's, uploaded
@@ -163,8 +169,10 @@ def test_a_run_killed_mid_upload_leaves_the_checkpoint_before_named_and_continue
         first.kill()
         first.wait(timeout=60)
     named, cut_short = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json"), (tmp_path / "uploading").read_text()
-    assert cut_short.startswith(f"{prefix}/checkpoints/last.ckpt.versions/000000010-")  # the second epoch's
-    assert named["object"].startswith("checkpoints/last.ckpt.versions/000000005-")  # the first's, still named
+    assert cut_short.startswith(f"{prefix}/checkpoints/last.ckpt.versions/") and named["object"].startswith(
+        "checkpoints/last.ckpt.versions/"
+    )
+    assert version_step(named["object"]) < version_step(cut_short)  # an earlier one, whole, still named
     train(tmp_path / "reference", *LONG)
     expected = model_weights(run_dirs(tmp_path / "reference")[0])
     for name, value in s3.env.items():
@@ -277,7 +285,8 @@ def test_a_sharded_checkpoint_is_named_only_once_every_ranks_part_is_in_the_stor
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
     import starter.checkpointing.store as store_module
-    from starter.checkpointing.store import CheckpointStore, Uploads
+    from starter.checkpointing.resume import saved_config
+    from starter.checkpointing.store import CheckpointStore, Uploads, fetch_for_resume
 
     monkeypatch.setattr(store_module, "PART_WAIT_S", 2.0)
     store = CheckpointStore("s3://runs/shards")
@@ -288,6 +297,12 @@ def test_a_sharded_checkpoint_is_named_only_once_every_ranks_part_is_in_the_stor
     assert all(uploads.flush(timeout=60) for uploads in ranks)
     first = pointer(s3, "shards/checkpoints/last.ckpt.json")
     assert set(first["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"}
+    (tmp_path / "node0" / "config.yaml").write_text("model:\n  lr: 0.1\nstrategy:\n  name: tp\n")  # rank 0's record
+    ranks[0].put_record(tmp_path / "node0")
+    assert ranks[0].flush(timeout=60)
+    resumed = tmp_path / "resumed" / "checkpoints"  # ckpt_path=auto on a fresh machine: the checkpoint, and the
+    assert fetch_for_resume(store, resumed)  # config of the run that wrote it beside (a sharded one is tp's here)
+    assert saved_config(resumed / "last.ckpt").strategy.name == "tp" and (resumed / "last.ckpt" / "meta.pt").is_file()
     assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt")
     fetched = tmp_path / "fresh" / "last.ckpt"
     assert fetched.is_symlink() and (fetched / "__1_0.distcp").read_bytes() == bytes([1, 5]) * 1000

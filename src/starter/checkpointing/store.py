@@ -334,10 +334,19 @@ class Uploads:
 
 def fetch_for_resume(store: CheckpointStore, checkpoints: Path) -> bool:
     """`ckpt_path=auto` on a machine whose run directory has no last.ckpt: the store's last.ckpt and best.ckpt
-    there (best.ckpt: so the best so far is the uninterrupted run's). Whether the store had a last.ckpt."""
+    there (best.ckpt: so the best so far is the uninterrupted run's), and the run's config.yaml beside them where
+    there is none (what a continued run checks against: the strategy of a sharded checkpoint, the data split), read
+    as any run's is. Whether the store had a last.ckpt."""
     if not store.fetch("last.ckpt", checkpoints / "last.ckpt"):
         return False
     store.fetch("best.ckpt", checkpoints / "best.ckpt")
+    try:
+        config = store.read(store.key("run/config.yaml"), limit=1 << 20)
+    except store.objects.errors as err:
+        raise store.said(err, "cannot fetch its run/config.yaml") from None
+    if config is not None and not (checkpoints.parent / "config.yaml").exists():
+        with replacing(checkpoints.parent / "config.yaml", "wb") as file:
+            file.write(config)
     log.info("ckpt_path=auto: %s/checkpoints/last.ckpt fetched into %s", store.url, checkpoints)
     return True
 
