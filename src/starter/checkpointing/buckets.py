@@ -59,13 +59,12 @@ class S3:
     def why(self, err: Exception) -> str:
         from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
-        where = self.client.meta.endpoint_url
         if isinstance(err, EndpointConnectionError):
-            return f"its endpoint {where} does not answer; check AWS_ENDPOINT_URL and the network"
+            return f"its endpoint {self.where} does not answer; check AWS_ENDPOINT_URL and the network"
         if isinstance(err, NoCredentialsError):
             return "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, an instance role)"
         if isinstance(err, ClientError) and err.response["Error"]["Code"] in REFUSED:
-            return f"{where} refuses these credentials ({err.response['Error']['Code']}); check AWS_ACCESS_KEY_ID"
+            return f"{self.where} refuses these credentials ({err.response['Error']['Code']}); check AWS_ACCESS_KEY_ID"
         return first_line(err)
 
     @property

@@ -24,8 +24,7 @@ class RunCheckpoint(Restored, ModelCheckpoint):
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         if self.uploads is not None and trainer.is_global_zero:
-            if not getattr(trainer.strategy, "sharded_checkpoints", False):  # else each rank's, once written
-                self.uploads.put(Path(filepath), trainer.global_step)
+            self.uploads.put(Path(filepath), trainer.global_step)
             self.uploads.put_record(Path(self.dirpath).parent)
 
     def state_dict(self) -> dict:

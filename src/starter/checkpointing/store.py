@@ -109,14 +109,14 @@ class CheckpointStore:
             object_ = pointer["object"]
             valid = isinstance(object_, str) and OBJECT.fullmatch(object_) and object_.startswith(f"checkpoints/{name}")
             if "files" in pointer:
-                files = pointer["files"]
-                valid = valid and {".metadata", "meta.pt"} <= files.keys() and all(map(SHARD.fullmatch, files))
-                valid = valid and all(is_digest(entry) for entry in files.values())
-                files = {f: {"size": entry["size"], "sha256": entry["sha256"]} for f, entry in files.items()}
+                files = {file: digest_of(entry) for file, entry in pointer["files"].items()}
+                valid = valid and {".metadata", "meta.pt"} <= files.keys() and None not in map(owner, files)
+                valid = valid and all(files.values())
                 pointer = {"object": object_, "files": files}
             else:
-                valid = valid and is_digest(pointer)
-                pointer = {"object": object_, "size": pointer["size"], "sha256": pointer["sha256"]}
+                entry = digest_of(pointer)
+                valid = valid and entry is not None
+                pointer = {"object": object_, **(entry or {})}
         except (ValueError, KeyError, TypeError, AttributeError):
             valid = False
         if not valid:
@@ -169,10 +169,19 @@ class CheckpointStore:
                 )
 
 
-def is_digest(entry) -> bool:
-    """A file's entry in a pointer or a part list: {"size": a count of bytes, "sha256": 64 hex digits}."""
+def digest_of(entry) -> dict | None:
+    """A file's entry in a pointer or a part list as values, {"size": a count of bytes, "sha256": 64 hex digits}; None
+    where it is not one."""
     size, digest = entry["size"], entry["sha256"]
-    return type(size) is int and size >= 0 and isinstance(digest, str) and bool(re.fullmatch(r"[0-9a-f]{64}", digest))
+    valid = type(size) is int and size >= 0 and isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)
+    return {"size": size, "sha256": digest} if valid else None
+
+
+def owner(file: str) -> int | None:
+    """The rank whose file of a sharded checkpoint `file` is (rank 0's: DCP's metadata and meta.pt); None where it is
+    none of a sharded checkpoint's files."""
+    match = SHARD.fullmatch(file)
+    return None if match is None else int(match[1] or 0)
 
 
 class Hashing:
@@ -211,7 +220,8 @@ class Uploads:
         """Upload the run's file `path` (a checkpoint of UPLOADED saved at global step `step`, or a record of RECORD)
         as it is when its turn comes: rank 0's, where the whole file is."""
         name = path.name
-        if self.rank == 0 and not path.is_symlink() and not path.is_dir():  # a sharded one's name: put_shards
+        # not a sharded checkpoint's name (a link; or none yet while its shards are written): each rank's put_shards
+        if self.rank == 0 and path.is_file() and not path.is_symlink():
             self._queue(f"checkpoints/{name}" if name in UPLOADED else f"run/{name}", path, step)
 
     def put_shards(self, directory: Path, name: str, step: int) -> None:
@@ -280,7 +290,7 @@ class Uploads:
         """This rank's files of `directory`, then the list of them; rank 0 then points at the version once every
         rank's list is there."""
         store = self.store
-        mine = [f for f in directory.iterdir() if (m := SHARD.fullmatch(f.name)) and int(m[1] or 0) == self.rank]
+        mine = [f for f in directory.iterdir() if owner(f.name) == self.rank]
         # opened before anything is sent: a later save deletes this version's directory, never what is open here
         files = {f.name: open(f, "rb") for f in mine}
         token = hashlib.sha256(directory.name.encode()).hexdigest()[:16]  # the same on every rank
@@ -317,10 +327,9 @@ class Uploads:
                 time.sleep(0.2)
             listed = json.loads(text)
             for file, entry in listed.items():
-                match = SHARD.fullmatch(file)
-                if not (match and int(match[1] or 0) == rank and is_digest(entry)):
+                every[file] = digest_of(entry)
+                if owner(file) != rank or every[file] is None:
                     raise UserError(f"{self.store.url}/{name}/part-{rank}.json names {file!r}: not rank {rank}'s")
-                every[file] = {"size": entry["size"], "sha256": entry["sha256"]}
         return every
 
     def _point(self, key: str, pointer: dict, objects: list[str]) -> None:
