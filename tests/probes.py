@@ -303,7 +303,7 @@ class RaiseAtStep(L.Callback):
 class CutShortByCtrlC(L.Callback):
     """Rank `rank` waits at the start of epoch 1, having touched `marker`, in a call that turns Ctrl-C's
     KeyboardInterrupt into an error of its own, as torch.save cut short mid-write does (a RuntimeError of its zip
-    writer: "unexpected pos")."""
+    writer: "unexpected pos", which a full disk also makes), inside the check every save's write is in."""
 
     def __init__(self, marker: str, rank: int = 0):
         self.marker, self.rank = Path(marker), rank
@@ -311,12 +311,15 @@ class CutShortByCtrlC(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch != 1 or trainer.global_rank != self.rank:
             return
+        from starter.atomic_write import room_for
+
         self.marker.touch()
-        try:
-            while True:
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 73280 vs 73232") from None
+        with room_for(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"):
+            try:
+                while True:
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 73280 vs 73232") from None
 
 
 class RecordProcess(L.Callback):

@@ -283,5 +283,26 @@ def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
     assert lines[0].endswith("raise it (ulimit -f unlimited) and resume with ckpt_path=auto")
 
 
+@pytest.mark.parametrize("interrupt", [None, "remembered", "raised while handling it"])
+def test_a_save_cut_short_by_ctrl_c_is_not_taken_for_a_full_disk(interrupt, monkeypatch, tmp_path):
+    # torch's zip writer says bytes lost to Ctrl-C as it says them lost to a full disk ("unexpected pos"), and swallows
+    # the KeyboardInterrupt (catch_ctrl_c remembers it): the interrupt goes on its way, with no word about room
+    from starter import errors
+    from starter.atomic_write import room_for
+
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 73280 vs 73232")
+    if interrupt == "remembered":
+        monkeypatch.setattr(errors, "_ctrl_c", [signal.SIGINT])
+    with pytest.raises(errors.UserError if interrupt is None else RuntimeError) as raised:
+        with room_for(tmp_path / "last.ckpt"):
+            try:
+                if interrupt == "raised while handling it":
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise lost from None
+            raise lost
+    assert (raised.value is lost) == (interrupt is not None), raised.value
+
+
 def checkpoint_epoch(path: Path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["epoch"]

@@ -7,7 +7,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from starter.errors import UserError
+from starter.errors import UserError, interrupted
 
 
 @contextmanager
@@ -33,11 +33,12 @@ def replacing(path, mode: str = "w", **open_args):
 @contextmanager
 def room_for(path):
     """A write of `path` that fails for want of room (a full disk, a quota) is one line naming it: what was saved
-    before is whole, as every save writes a new file (or directory) and renames it into place."""
+    before is whole, as every save writes a new file (or directory) and renames it into place. A write that Ctrl-C cut
+    short is not one: torch's zip writer then says the lost bytes' error as a full disk does."""
     try:
         yield
     except BaseException as err:  # torch's CheckpointException is one
-        if not out_of_room(err):
+        if interrupted() or in_chain(err, KeyboardInterrupt) or not out_of_room(err):
             raise
         if limit := size_limit(path):
             raise UserError(
@@ -76,6 +77,15 @@ def out_of_room(err: BaseException | None) -> bool:
         return True
     failures = [failure[0] for failure in getattr(err, "failures", {}).values()]  # torch's CheckpointException
     return err is not None and any(map(out_of_room, [err.__cause__ or err.__context__, *failures]))
+
+
+def in_chain(err: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether `err` or one it was raised from or while handling is a `kind`."""
+    while err is not None:
+        if isinstance(err, kind):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def unlink_symlink(path) -> None:
