@@ -10,11 +10,20 @@ UV_VERSION := 0.13.8
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml uv.lock
+$(VENV)/.installed: pyproject.toml uv.lock tests/azurite/package-lock.json
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet uv==$(UV_VERSION)
 	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync --quiet --locked --inexact --compile-bytecode --extra dev --python $(PY)
+	$(MAKE) --no-print-directory $(VENV)/azurite
 	touch $@
+
+# Azure Blob's API for the az:// tests (Azurite, an npm package: Node.js's npm, as locked); without npm those tests
+# skip, saying so
+$(VENV)/azurite: tests/azurite/package-lock.json
+	@if command -v npm >/dev/null; then \
+		mkdir -p $@ && cp tests/azurite/package.json tests/azurite/package-lock.json $@/ && \
+		npm ci --silent --no-audit --no-fund --prefix $@ && touch $@; \
+	else echo "npm not found: the az:// tests will skip (Debian: apt-get install npm)"; fi
 
 # After a change to the dependencies in pyproject.toml: re-resolve uv.lock (then `make install`).
 lock:

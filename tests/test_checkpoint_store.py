@@ -3,6 +3,7 @@ another machine (a run directory that shares nothing with the first but the buck
 weights; never half a checkpoint, never someone else's; bad input in one line before training."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -86,13 +87,21 @@ def slow(folder: Path) -> list[str]:
             f"{probe}.until={folder / 'go'}"]  # fmt: skip
 
 
-def start(machine: Path, env: dict, prefix: str, *more: str) -> subprocess.Popen:
+def start(machine: Path, env: dict, prefix: str, *more: str, scheme: str = "s3") -> subprocess.Popen:
     """`python train.py` on a machine of its own (`machine`: its working directory, its logs)."""
     machine.mkdir(parents=True, exist_ok=True)
-    overrides = on_bed([*LONG, f"checkpoint_store=s3://runs/{prefix}", f"paths.log_dir={machine / 'logs'}", *QUIET,
-                        "accelerator=cpu", *more])  # fmt: skip
+    overrides = on_bed([*LONG, f"checkpoint_store={scheme}://runs/{prefix}", f"paths.log_dir={machine / 'logs'}",
+                        *QUIET, "accelerator=cpu", *more])  # fmt: skip
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=machine, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=with_env(PROBES, **env))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory) -> dict:
+    """The weights of LONG's one-process run, never stopped: where each continuation of it must end."""
+    folder = tmp_path_factory.mktemp("reference")
+    train(folder, *LONG)
+    return model_weights(run_dirs(folder)[0])
 
 
 @pytest.mark.slow
@@ -102,7 +111,7 @@ def start(machine: Path, env: dict, prefix: str, *more: str) -> subprocess.Popen
     ids=["one", "ddp", "fsdp sharded"],
 )
 def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the_uninterrupted_weights(
-    s3, processes, digit_files, tmp_path, monkeypatch
+    s3, processes, digit_files, tmp_path, monkeypatch, request
 ):
     prefix, same = f"continued-{processes[0].split('=')[1]}", [*processes, *slow(tmp_path)]
     client(s3).put_object(Bucket="runs", Key="elsewhere/keep", Body=b"not this run's")  # outside the prefix
@@ -120,8 +129,11 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
     uploaded = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json")
     assert uploaded["object"].startswith(f"checkpoints/last.ckpt.versions/{stopped_at:09d}-")  # the stop's, uploaded
     (tmp_path / "go").touch()  # steps at full speed from here on
-    train(tmp_path / "reference", *LONG, *same)  # never stopped; here: tests/ (the probes) is on this process's path
-    expected = model_weights(run_dirs(tmp_path / "reference")[0])
+    if processes == ["strategy=auto"]:  # the default
+        expected = request.getfixturevalue("one_process_weights")
+    else:  # never stopped; here: tests/ (the probes) is on this process's path
+        train(tmp_path / "reference", *LONG, *same)
+        expected = model_weights(run_dirs(tmp_path / "reference")[0])
     for name, value in s3.env.items():  # the second machine's run, made in this process (no imports to wait for)
         monkeypatch.setenv(name, value)
     second = train(tmp_path / "second", *LONG, f"checkpoint_store=s3://runs/{prefix}", *same)  # shares only the bucket
@@ -153,14 +165,17 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["s3", "az"])
 def test_a_run_killed_mid_upload_leaves_the_checkpoint_before_named_and_continues_from_it_elsewhere(
-    s3, tmp_path, monkeypatch
+    scheme, one_process_weights, request, tmp_path, monkeypatch
 ):
     # SIGKILL while the second checkpoint is on its way: the store still names the first, whole; another machine
-    # continues from it to the uninterrupted run's weights
+    # continues from it to the uninterrupted run's weights (S3; Azure Blob, whose blocks sent are no blob until the
+    # last call commits them)
+    env = request.getfixturevalue("s3").env if scheme == "s3" else request.getfixturevalue("azurite")
     prefix, hang = "killed", ["+callbacks.hang._target_=probes.HangingUploads", "+callbacks.hang.seconds=60",
                               f"+callbacks.hang.output={tmp_path / 'uploading'}"]  # fmt: skip
-    first = start(tmp_path / "first", s3.env, prefix, *hang)
+    first = start(tmp_path / "first", env, prefix, *hang, scheme=scheme)
     with reaped(first):
         deadline = time.monotonic() + 120
         while not (tmp_path / "uploading").exists():
@@ -168,19 +183,23 @@ def test_a_run_killed_mid_upload_leaves_the_checkpoint_before_named_and_continue
             time.sleep(0.1)
         first.kill()
         first.wait(timeout=60)
-    named, cut_short = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json"), (tmp_path / "uploading").read_text()
-    assert cut_short.startswith(f"{prefix}/checkpoints/last.ckpt.versions/") and named["object"].startswith(
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from starter.checkpointing.store import CheckpointStore
+
+    named, cut_short = (
+        pointer_at(CheckpointStore(f"{scheme}://runs/{prefix}"), "last.ckpt"),
+        (tmp_path / "uploading").read_text(),
+    )
+    assert cut_short.startswith(f"{prefix}/checkpoints/last.ckpt.versions/") and named.startswith(
         "checkpoints/last.ckpt.versions/"
     )
-    assert version_step(named["object"]) < version_step(cut_short)  # an earlier one, whole, still named
-    train(tmp_path / "reference", *LONG)
-    expected = model_weights(run_dirs(tmp_path / "reference")[0])
-    for name, value in s3.env.items():
-        monkeypatch.setenv(name, value)
-    second = train(tmp_path / "second", *LONG, f"checkpoint_store=s3://runs/{prefix}", *hang)  # the same config
-    assert f"s3://runs/{prefix}/checkpoints/last.ckpt fetched" in second.stdout + second.stderr
+    assert version_step(named) < version_step(cut_short)  # an earlier one, whole, still named
+    second = train(tmp_path / "second", *LONG, f"checkpoint_store={scheme}://runs/{prefix}", *hang)  # the same config
+    assert f"{scheme}://runs/{prefix}/checkpoints/last.ckpt fetched" in second.stdout + second.stderr
     assert global_step(next((tmp_path / "second").glob("logs/train/runs/*/checkpoints/last.ckpt"))) == 60
     continued = model_weights(run_dirs(tmp_path / "second")[0])
+    expected = one_process_weights
     assert all(torch.equal(expected[k], continued[k]) for k in expected), "not the uninterrupted run's weights"
 
 
@@ -246,8 +265,8 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_named(s3, tmp_path, 
          " does not answer; check AWS_ENDPOINT_URL and the network"),
         ({"AWS_ACCESS_KEY_ID": "AKIANOBODY"}, "s3://runs/x", "refuses these credentials"),
         ({}, "s3://nobucket/x", "no bucket nobucket at http://127.0.0.1:"),
-        ({}, "az://runs/x", "give s3://bucket/prefix (AWS, or an S3-compatible store through AWS_ENDPOINT_URL) or"
-         " gs://bucket/prefix (Google Cloud Storage); az:// is not supported yet"),
+        ({}, "hdfs://runs/x", "give s3://bucket/prefix (AWS, or an S3-compatible store through AWS_ENDPOINT_URL),"
+         " gs://bucket/prefix (Google Cloud Storage) or az://container/prefix (Azure Blob)"),
     ],
     ids=["unreachable", "credentials", "bucket", "scheme"],
 )  # fmt: skip
@@ -335,27 +354,68 @@ def gcs(tmp_path_factory):
     command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port),
                "--in-memory", "--default-bucket", "runs"]  # fmt: skip
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.1)
+    wait_for_port(port, server, log)
     yield {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
     server.kill()
     server.wait()
 
 
-def test_a_gs_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(gcs, tmp_path, monkeypatch):
-    # the same store through Google Cloud Storage's API: a whole file and a sharded one uploaded, named, fetched; the
-    # one before deleted; an upload cut short never makes an object; a spoiled one refused; a missing bucket said
-    for name, value in gcs.items():
+AZURITE_ACCOUNT = "devstoreaccount1"  # Azurite's own account and key, the same in every copy of it
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    """Azure Blob's API on 127.0.0.1 (Azurite, in memory: `make install` puts it in .venv/azurite where npm is), with
+    a container `runs`: the variable that reaches it."""
+    from azure.storage.blob import ContainerClient
+
+    program = Path(sys.prefix) / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+    if not program.exists():
+        missing = f"Azurite is not installed ({program}: `make install` installs it where npm is)"
+        pytest.fail(missing) if os.environ.get("CI") else pytest.skip(f"{missing}: az:// untested here")
+    port, log = free_port(), tmp_path_factory.mktemp("azurite") / "azurite.log"
+    command = [str(program), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+               "--skipApiVersionCheck", "--disableTelemetry", "--silent"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_for_port(port, server, log)
+    connection = (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+                  f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};")  # fmt: skip
+    ContainerClient.from_connection_string(connection, "runs").create_container()
+    yield {"AZURE_STORAGE_CONNECTION_STRING": connection}
+    server.kill()
+    server.wait()
+
+
+def wait_for_port(port: int, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+
+
+def listed(store) -> list[str]:
+    """Every object's key under the store's prefix."""
+    objects = store.objects
+    if hasattr(objects, "fs"):  # gcsfs
+        return [key.partition("/")[2] for key in objects.fs.find(f"{store.bucket}/{store.prefix}")]
+    return list(objects.container.list_blob_names(name_starts_with=store.prefix))
+
+
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_a_gs_or_az_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(scheme, request, tmp_path, monkeypatch):
+    # the same store through Google Cloud Storage's and Azure Blob's APIs: a whole file and a sharded one uploaded,
+    # named, fetched; the one before deleted; an upload cut short never makes an object; a spoiled one refused; a
+    # missing bucket said
+    for name, value in request.getfixturevalue({"gs": "gcs", "az": "azurite"}[scheme]).items():
         monkeypatch.setenv(name, value)
     from starter.checkpointing.store import CheckpointStore, Uploads
 
-    store = CheckpointStore("gs://runs/g")
+    store = CheckpointStore(f"{scheme}://runs/g")
     ranks = [Uploads(store, rank, world=2) for rank in range(2)]
     whole = tmp_path / "node0" / "last.ckpt"
     whole.parent.mkdir(parents=True)
@@ -366,9 +426,9 @@ def test_a_gs_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(gcs, tmp_p
     for rank, uploads in enumerate(ranks):
         uploads.put_shards(sharded(tmp_path / f"disk{rank}" / "best.ckpt.a", 10), "best.ckpt", 10)
     assert all(uploads.flush(timeout=60) for uploads in ranks)
-    listed = store.objects.fs.find("runs/g")
-    assert len([k for k in listed if "/last.ckpt.versions/" in k]) == 1  # the one before: deleted
-    assert len([k for k in listed if "/best.ckpt.versions/" in k]) == 6  # four files, two lists
+    keys = listed(store)
+    assert len([k for k in keys if "/last.ckpt.versions/" in k]) == 1  # the one before: deleted
+    assert len([k for k in keys if "/best.ckpt.versions/" in k]) == 6  # four files, two lists
     assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt") and store.fetch(
         "best.ckpt", tmp_path / "fresh" / "best.ckpt"
     )
@@ -385,17 +445,35 @@ def test_a_gs_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(gcs, tmp_p
     torch.save({"global_step": 15}, whole)
     ranks[0].put(whole, 15)
     assert ranks[0].flush(timeout=60) and "the machine went away" in ranks[0].failed
-    assert not [k for k in store.objects.fs.find("runs/g") if "/000000015-" in k]  # nothing of it committed
+    assert not [k for k in listed(store) if "/000000015-" in k]  # nothing of it committed
     monkeypatch.setattr(store.objects, "put", put)
     named = pointer_at(store, "last.ckpt")
     assert named.startswith("checkpoints/last.ckpt.versions/000000010-")
     store.objects.put(store.key(named), b"someone else's")
-    with pytest.raises(UserError, match=r"gs://runs/g/checkpoints/last\.ckpt\.versions/000000010-[0-9a-f]+ is not the"):
+    with pytest.raises(
+        UserError, match=rf"{scheme}://runs/g/checkpoints/last\.ckpt\.versions/000000010-\w+ is not the"
+    ):
         store.fetch("last.ckpt", tmp_path / "spoiled" / "last.ckpt")
     with pytest.raises(
-        UserError, match=r"checkpoint_store=gs://nobucket/x: no bucket nobucket at http://127\.0\.0\.1:"
+        UserError, match=rf"checkpoint_store={scheme}://nobucket/x: no bucket nobucket at http://127\.0\.0\.1:"
     ):
-        prepare(compose_config(["checkpoint_store=gs://nobucket/x", "accelerator=cpu"], tmp_path / "run"))
+        prepare(compose_config([f"checkpoint_store={scheme}://nobucket/x", "accelerator=cpu"], tmp_path / "run"))
+
+
+@pytest.mark.parametrize("credentials", ["wrong key", "none"])
+def test_az_credentials_refused_or_missing_are_one_line_before_training(credentials, azurite, tmp_path, monkeypatch):
+    # Azurite checks Shared Key signatures as Azure does
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    if credentials == "none":
+        monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+        said = "checkpoint_store=az://runs/x: no Azure storage account: set AZURE_STORAGE_CONNECTION_STRING, or"
+    else:
+        wrong = azurite["AZURE_STORAGE_CONNECTION_STRING"].replace(AZURITE_KEY, "A" * 86 + "==")
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
+        said = r"checkpoint_store=az://runs/x: cannot reach it: http://127\.0\.0\.1:\d+/devstoreaccount1 refuses"
+        said += r" these credentials \(AuthorizationFailure\); check AZURE_STORAGE_CONNECTION_STRING"
+    with pytest.raises(UserError, match=said):
+        prepare(compose_config(["checkpoint_store=az://runs/x", "accelerator=cpu"], tmp_path / "run"))
 
 
 class Breaking:

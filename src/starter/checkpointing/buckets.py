@@ -1,8 +1,10 @@
 """The object stores `checkpoint_store` reaches, each behind the same few calls (checkpointing/store.py holds what
 is uploaded and believed): s3:// through boto3 (AWS's credential chain; an S3-compatible store at AWS_ENDPOINT_URL),
-gs:// through gcsfs (Google's default credentials; an emulator at STORAGE_EMULATOR_HOST). Each says in one line why
-a call failed (`why`)."""
+gs:// through gcsfs (Google's default credentials; an emulator at STORAGE_EMULATOR_HOST), az://container/prefix through
+azure-storage-blob (Azure's variables: a connection string, or an account with its key, a SAS token or an identity).
+Each says in one line why a call failed (`why`)."""
 
+import os
 import shutil
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -128,4 +130,71 @@ class GCS:
         return first_line(err)
 
 
-SCHEMES = {"s3": S3, "gs": GCS}
+AZURE_CREDENTIALS = (
+    "set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY,"
+    " AZURE_STORAGE_SAS_TOKEN or an identity Azure's DefaultAzureCredential finds (AZURE_CLIENT_ID..., a managed one)"
+)
+
+
+class AzureBlob:
+    """az://container/prefix: the account, its endpoint and credentials from Azure's variables, as az and adlfs read
+    them."""
+
+    def __init__(self, container: str, url: str):
+        try:
+            from azure.core.exceptions import AzureError
+            from azure.storage.blob import ContainerClient
+        except ImportError:
+            raise UserError(f"checkpoint_store={url} needs azure-storage-blob: pip install -e '.[store]'") from None
+        self.errors = (AzureError, OSError, ValueError)
+        env = os.environ  # the environment as it is now
+        if connection := env.get("AZURE_STORAGE_CONNECTION_STRING"):
+            self.container = ContainerClient.from_connection_string(connection, container)
+        elif account := env.get("AZURE_STORAGE_ACCOUNT_NAME"):
+            credential = env.get("AZURE_STORAGE_ACCOUNT_KEY") or env.get("AZURE_STORAGE_SAS_TOKEN")
+            if credential is None:
+                try:
+                    from azure.identity import DefaultAzureCredential
+                except ImportError:
+                    raise UserError(f"checkpoint_store={url} needs azure-identity: pip install -e '.[store]'") from None
+                credential = DefaultAzureCredential()
+            self.container = ContainerClient(f"https://{account}.blob.core.windows.net", container, credential)
+        else:
+            raise UserError(f"checkpoint_store={url}: no Azure storage account: {AZURE_CREDENTIALS}")
+        self.where = self.container.url.rsplit("/", 1)[0]
+
+    def exists(self) -> bool:
+        return self.container.exists()
+
+    def get(self, key: str) -> tuple[int, Iterator[bytes]] | None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            download = self.container.download_blob(key)
+        except ResourceNotFoundError:
+            return None
+        return download.size, download.chunks()
+
+    def put(self, key: str, body: bytes | BinaryIO) -> None:
+        """A stream is sent in blocks, committed as the blob in one call once all are there: cut short, no blob."""
+        self.container.upload_blob(key, body, overwrite=True, max_concurrency=1)
+
+    def delete(self, key: str) -> None:
+        self.container.delete_blob(key)
+
+    def why(self, err: Exception) -> str:
+        from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
+
+        if isinstance(err, ServiceRequestError):
+            return f"its endpoint {self.where} does not answer; check AZURE_STORAGE_CONNECTION_STRING and the network"
+        if isinstance(err, ClientAuthenticationError) or getattr(err, "status_code", None) in (401, 403):
+            code = getattr(err, "error_code", None)
+            code = getattr(code, "value", code) or first_line(err)  # an enum of the SDK's, or its string
+            return (
+                f"{self.where} refuses these credentials ({code}); check AZURE_STORAGE_CONNECTION_STRING, or"
+                " AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_TOKEN / the identity"
+            )
+        return first_line(err)
+
+
+SCHEMES = {"s3": S3, "gs": GCS, "az": AzureBlob}

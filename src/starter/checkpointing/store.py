@@ -1,4 +1,4 @@
-"""`checkpoint_store=s3://bucket/prefix` (or gs://): a run's checkpoints and record kept in an object store beside
+"""`checkpoint_store=s3://bucket/prefix` (or gs://, az://): a run's checkpoints and record kept in an object store beside
 its run directory, so that a job rescheduled onto a fresh machine continues from them (`ckpt_path=auto`).
 
 The run writes its files locally as always; a thread of rank 0 uploads each checkpoint once it is saved (the step
@@ -13,7 +13,7 @@ holds is read as any file of someone else's: the pointer supplies values only (a
 a sha256), the object is checked against both and then loaded weights-only, as a local checkpoint is. `run/config.json`
 records the config (as nodes compare theirs: launch/nodes.meeting_config): a prefix holding another config's run is
 refused. Credentials come from the store's standard chain, never written (checkpointing/buckets.py: AWS's, an
-endpoint of one's own from AWS_ENDPOINT_URL; Google's default credentials)."""
+endpoint of one's own from AWS_ENDPOINT_URL; Google's default credentials; Azure's variables)."""
 
 import hashlib
 import json
@@ -46,7 +46,7 @@ class CheckpointStore:
         if scheme not in SCHEMES:
             raise UserError(
                 f"checkpoint_store={url}: give s3://bucket/prefix (AWS, or an S3-compatible store through"
-                " AWS_ENDPOINT_URL) or gs://bucket/prefix (Google Cloud Storage); az:// is not supported yet"
+                " AWS_ENDPOINT_URL), gs://bucket/prefix (Google Cloud Storage) or az://container/prefix (Azure Blob)"
             )
         self.bucket, _, prefix = rest.partition("/")
         if not self.bucket:
