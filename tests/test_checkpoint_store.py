@@ -4,6 +4,7 @@ weights; never half a checkpoint, never someone else's; bad input in one line be
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -162,6 +163,13 @@ def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the
         rows = predictions(predict(tmp_path / "predict", f"ckpt_path=s3://runs/{prefix}", f"inputs={digit_files}",
                                    env=s3.env))  # fmt: skip
         assert len(rows) == len(list(digit_files.iterdir())) and correct(rows) > len(rows) // 2  # chance: a tenth
+    if processes == ["strategy=auto"]:  # export.py and train=false read the prefix as predict.py does: its best.ckpt
+        store = f"ckpt_path=s3://runs/{prefix}"
+        exported = train(tmp_path / "export", store, "format=torch_export", script="export.py")
+        assert re.search(r"^exported \S*model\.pt2: uint8 images", exported.stdout, re.M), exported.stdout
+        scores = [train(tmp_path / f"test-{i}", *MLP_20_STEPS, "train=false", checkpoint).stdout for i, checkpoint in
+                  enumerate([store, f"ckpt_path={run_dir / 'checkpoints' / 'best.ckpt'}"])]  # fmt: skip
+        assert re.findall(r"test/acc\s+(\S+)", scores[0]) == re.findall(r"test/acc\s+(\S+)", scores[1]) != []
 
 
 @pytest.mark.slow

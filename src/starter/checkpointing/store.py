@@ -1,5 +1,5 @@
-"""`checkpoint_store=s3://bucket/prefix` (or gs://, az://): a run's checkpoints and record kept in an object store beside
-its run directory, so that a job rescheduled onto a fresh machine continues from them (`ckpt_path=auto`).
+"""`checkpoint_store=s3://bucket/prefix` (or gs://, az://): a run's checkpoints and record kept in an object store
+beside its run directory, so that a job rescheduled onto a fresh machine continues from them (`ckpt_path=auto`).
 
 The run writes its files locally as always; a thread of rank 0 uploads each checkpoint once it is saved (the step
 never waits on the network), under a name of its own (`checkpoints/<file>.versions/<step>-<token>`), then points
