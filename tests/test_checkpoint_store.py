@@ -97,6 +97,26 @@ def start(machine: Path, env: dict, prefix: str, *more: str, scheme: str = "s3")
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=with_env(PROBES, **env))  # fmt: skip
 
 
+def start_nodes(machine: Path, env: dict, prefix: str, *more: str) -> list[subprocess.Popen]:
+    """`python train.py` as two nodes of one process each (loopback), each with a disk of its own: `machine`/node<n>,
+    bound over the one path `machine`/disk in a mount namespace of its own, as a cluster's nodes without a shared file
+    system see the same path on their own disks."""
+    port, disk = free_port(), machine / "disk"
+    disk.mkdir(parents=True)
+    nodes = []
+    for node in (0, 1):
+        (machine / f"node{node}").mkdir()
+        overrides = on_bed([*LONG, f"checkpoint_store=s3://runs/{prefix}", f"paths.log_dir={disk / 'logs'}", *QUIET,
+                            "accelerator=cpu", *more])  # fmt: skip
+        bound = ["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+                 str(machine / f"node{node}"), str(disk)]  # fmt: skip
+        variables = with_env(PROBES, **env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+        command = [*bound, sys.executable, str(ROOT / "train.py"), *overrides]
+        nodes.append(subprocess.Popen(command, cwd=disk.parent, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, env=variables))  # fmt: skip
+    return nodes
+
+
 @pytest.fixture(scope="module")
 def one_process_weights(tmp_path_factory) -> dict:
     """The weights of LONG's one-process run, never stopped: where each continuation of it must end."""
@@ -108,38 +128,58 @@ def one_process_weights(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "processes",
-    [["strategy=auto"], ["strategy=ddp", "devices=2"], ["strategy=fsdp", "devices=2"]],
-    ids=["one", "ddp", "fsdp sharded"],
+    [["strategy=auto"], ["strategy=ddp", "devices=2"], ["strategy=fsdp", "devices=1", "num_nodes=2"]],
+    ids=["one", "ddp", "fsdp sharded, two nodes with a disk each"],
 )
 def test_a_run_stopped_on_one_machine_continues_on_another_from_the_store_to_the_uninterrupted_weights(
     s3, processes, digit_files, tmp_path, monkeypatch, request
 ):
     prefix, same = f"continued-{processes[0].split('=')[1]}", [*processes, *slow(tmp_path)]
     client(s3).put_object(Bucket="runs", Key="elsewhere/keep", Body=b"not this run's")  # outside the prefix
-    first = start(tmp_path / "first", s3.env, prefix, *same)
-    with reaped(first):
+    nodes = "num_nodes=2" in processes  # no disk shared by the nodes either: each sends its ranks' shards
+    first = start_nodes(tmp_path / "first", s3.env, prefix, *same) if nodes else [start(tmp_path / "first", s3.env,
+                                                                                         prefix, *same)]  # fmt: skip
+    with reaped(*first):
         deadline = time.monotonic() + 120
         while pointer(s3, f"{prefix}/checkpoints/last.ckpt.json") is None:  # an epoch's checkpoint is in the store
-            assert time.monotonic() < deadline and first.poll() is None, first.communicate()[1][-3000:]
+            ended = [p.communicate()[1][-3000:] for p in first if p.poll() is not None]
+            assert time.monotonic() < deadline and not ended, ended
             time.sleep(0.2)
-        first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=120)
-    assert first.returncode == 143, err[-3000:]
-    assert "upload failed" not in err and "uploading" not in err, err[-3000:]  # each checkpoint sent once, whole
-    stopped_at = global_step(next((tmp_path / "first").glob("logs/train/runs/*/checkpoints/last.ckpt")))
+        for proc in first:  # a scheduler's preemption reaches every node
+            proc.send_signal(signal.SIGTERM)
+        errs = [proc.communicate(timeout=120)[1] for proc in first]
+    assert [p.returncode for p in first] == [143] * len(first), [err[-3000:] for err in errs]
+    for err in errs:
+        assert "upload failed" not in err and "uploading" not in err, err[-3000:]  # each checkpoint sent once, whole
+    home = tmp_path / "first" / ("node0" if nodes else "")
+    stopped_at = global_step(next(home.glob("logs/train/runs/*/checkpoints/last.ckpt")))
     uploaded = pointer(s3, f"{prefix}/checkpoints/last.ckpt.json")
     assert uploaded["object"].startswith(f"checkpoints/last.ckpt.versions/{stopped_at:09d}-")  # the stop's, uploaded
+    if nodes:  # node 1's disk: its rank's shards of the newest version of each name only; its line says where
+        shards = sorted(p.relative_to(p.parents[1]) for p in (tmp_path / "first" / "node1").rglob("*.distcp"))
+        assert [(str(p.parent).split(".ckpt.")[0], p.name) for p in shards] == [
+            ("best", "__1_0.distcp"), ("last", "__1_0.distcp")], shards  # fmt: skip
+        assert f"at step {stopped_at}; rank 0 saved checkpoints/last.ckpt on its node\n" in errs[1], errs[1][-3000:]
     (tmp_path / "go").touch()  # steps at full speed from here on
     if processes == ["strategy=auto"]:  # the default
         expected = request.getfixturevalue("one_process_weights")
-    else:  # never stopped; here: tests/ (the probes) is on this process's path
-        train(tmp_path / "reference", *LONG, *same)
+    else:  # never stopped, on one machine; here: tests/ (the probes) is on this process's path
+        train(tmp_path / "reference", *LONG, *(["strategy=fsdp", "devices=2"] if nodes else processes))
         expected = model_weights(run_dirs(tmp_path / "reference")[0])
-    for name, value in s3.env.items():  # the second machine's run, made in this process (no imports to wait for)
-        monkeypatch.setenv(name, value)
-    second = train(tmp_path / "second", *LONG, f"checkpoint_store=s3://runs/{prefix}", *same)  # shares only the bucket
-    assert f"s3://runs/{prefix}/checkpoints/last.ckpt fetched" in second.stdout + second.stderr
-    (run_dir,) = run_dirs(tmp_path / "second")
+    if nodes:  # the second machines: each node fetches the whole checkpoint onto its own disk
+        second = start_nodes(tmp_path / "second", s3.env, prefix, *same)
+        with reaped(*second):
+            outputs = [proc.communicate(timeout=300) for proc in second]
+        assert [p.returncode for p in second] == [0, 0], [err[-3000:] for _, err in outputs]
+        said = [out + err for out, err in outputs]
+        (run_dir,) = run_dirs(tmp_path / "second" / "node0")
+    else:  # the second machine's run, made in this process (no imports to wait for)
+        for name, value in s3.env.items():
+            monkeypatch.setenv(name, value)
+        second = train(tmp_path / "second", *LONG, f"checkpoint_store=s3://runs/{prefix}", *same)  # only the bucket
+        said = [second.stdout + second.stderr]
+        (run_dir,) = run_dirs(tmp_path / "second")
+    assert all(f"s3://runs/{prefix}/checkpoints/last.ckpt fetched" in text for text in said)
     continued = model_weights(run_dir)
     assert all(torch.equal(expected[k], continued[k]) for k in expected), "not the uninterrupted run's weights"
     assert global_step(run_dir / "checkpoints" / "last.ckpt") == 60

@@ -121,7 +121,7 @@ def stop_line(cause: str, run_dir, phase: str | None = None, saved_step: int | N
     resume = f"resume with ckpt_path={shown(last)}"
     if saved_step is not None and step == saved_step:
         return f"stopped by {cause}{during} at step {step} after saving checkpoints/last.ckpt; {resume}"
-    if saved_step is not None and not last.parent.is_dir():  # another node's run directory: rank 0's disk
+    if saved_step is not None and step is None:  # another node's disk: its ranks' shards at most
         return f"stopped by {cause}{during} at step {saved_step}; rank 0 saved checkpoints/last.ckpt on its node"
     if step is None:
         return f"stopped by {cause}{during}; {because}nothing was saved (this run has no checkpoints/last.ckpt)"

@@ -2,13 +2,14 @@
 new directory, then the name (`last.ckpt`, `best.ckpt`) is a symlink repointed at it in one rename."""
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 
 
 def point_atomically(link: Path, target: str) -> None:
     """Make `link` a symlink to the sibling `target` with one rename, then delete older versions (half-written too)."""
-    temporary = link.with_name(f".{target}.{os.getpid()}.link")  # processes fetching the same one at once
+    temporary = link.with_name(f".{target}.{secrets.token_hex(8)}.link")  # processes, nodes pointing it at once
     os.symlink(target, temporary)  # relative: the run directory can be moved
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)  # a plain sharded directory (written without this strategy)

@@ -94,7 +94,9 @@ class OutsideModelParallel(ModelParallelStrategy):
         """Write the shards to a new directory, then repoint `filepath` at it: a kill never leaves a mix. With
         `async_save`, the shards are copied to memory and a thread writes them while training goes on; `filepath`
         moves once every rank's are written, at the next save or load, or when the stage ends. A full disk is one
-        line (atomic_write.room_for), the last whole checkpoint still named."""
+        line (atomic_write.room_for), the last whole checkpoint still named. The first rank of each node points the
+        name on its node's disk (where nodes share none, each disk keeps its ranks' files of the newest version
+        only; where they share one, every node points it at the same version)."""
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         self.finish_saving()
@@ -115,7 +117,7 @@ class OutsideModelParallel(ModelParallelStrategy):
             self._save_meta(checkpoint, link.parent / version)
         self._tell_written(link, version, step)
         self.barrier()  # every shard written
-        if self.is_global_zero:
+        if self.local_rank == 0:
             point_atomically(link, version)
         return self.barrier()
 
@@ -136,15 +138,15 @@ class OutsideModelParallel(ModelParallelStrategy):
         self.saving = (written, link, version, step)
 
     def finish_saving(self) -> None:
-        """Wait for the checkpoint being written, then point its name at it (rank 0's writing ends last: DCP's
-        coordinator writes `.metadata` once every rank's shards are written)."""
+        """Wait for the checkpoint being written, then point its name at it (each rank's writing ends once DCP's
+        coordinator has written `.metadata`, after every rank's shards)."""
         saving, self.saving = self.saving, None
         if saving is not None:
             written, link, version, step = saving
             with room_for(link):
                 written.result()
             self._tell_written(link, version, step)
-            if self.is_global_zero:
+            if self.local_rank == 0:
                 point_atomically(link, version)
 
     def _tell_written(self, link: Path, version: str, step: int) -> None:
