@@ -503,20 +503,28 @@ def test_a_gs_or_az_store_keeps_names_fetches_and_refuses_as_an_s3_one_does(sche
     ):
         store.fetch("last.ckpt", tmp_path / "spoiled" / "last.ckpt")
     with pytest.raises(
-        UserError, match=rf"checkpoint_store={scheme}://nobucket/x: no bucket nobucket at http://127\.0\.0\.1:"
+        UserError,
+        match=rf"checkpoint_store={scheme}://nobucket/x: no (bucket|container) nobucket at http://127\.0\.0\.1:",
     ):
         prepare(compose_config([f"checkpoint_store={scheme}://nobucket/x", "accelerator=cpu"], tmp_path / "run"))
 
 
-@pytest.mark.parametrize("credentials", ["wrong key", "none"])
-def test_az_credentials_refused_or_missing_are_one_line_before_training(credentials, azurite, tmp_path, monkeypatch):
-    # Azurite checks Shared Key signatures as Azure does
+@pytest.mark.parametrize("credentials", ["wrong key", "none", "an endpoint that does not answer"])
+def test_bad_az_input_is_one_line_before_training(credentials, azurite, tmp_path, monkeypatch):
+    # Azurite checks Shared Key signatures as Azure does; the SDK's retries (a minute) are not waited for
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    connection = azurite["AZURE_STORAGE_CONNECTION_STRING"]
     if credentials == "none":
         monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
         said = "checkpoint_store=az://runs/x: no Azure storage account: set AZURE_STORAGE_CONNECTION_STRING, or"
+    elif credentials == "an endpoint that does not answer":
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:9", connection))
+        said = (
+            r"checkpoint_store=az://runs/x: cannot reach it: its endpoint http://127\.0\.0\.1:9/devstoreaccount1 does"
+        )
+        said += " not answer; check AZURE_STORAGE_CONNECTION_STRING and the network"
     else:
-        wrong = azurite["AZURE_STORAGE_CONNECTION_STRING"].replace(AZURITE_KEY, "A" * 86 + "==")
+        wrong = connection.replace(AZURITE_KEY, "A" * 86 + "==")
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
         said = r"checkpoint_store=az://runs/x: cannot reach it: http://127\.0\.0\.1:\d+/devstoreaccount1 refuses"
         said += r" these credentials \(AuthorizationFailure\); check AZURE_STORAGE_CONNECTION_STRING"

@@ -16,6 +16,8 @@ CHUNK = 1 << 20
 
 
 class S3:
+    kind = "bucket"
+
     def __init__(self, bucket: str, url: str):
         try:
             import boto3
@@ -75,6 +77,8 @@ class S3:
 
 
 class GCS:
+    kind = "bucket"
+
     def __init__(self, bucket: str, url: str):
         try:
             from gcsfs.core import GCSFileSystem  # the plain one: no probe of the bucket's kind over gRPC
@@ -140,6 +144,8 @@ class AzureBlob:
     """az://container/prefix: the account, its endpoint and credentials from Azure's variables, as az and adlfs read
     them."""
 
+    kind = "container"
+
     def __init__(self, container: str, url: str):
         try:
             from azure.core.exceptions import AzureError
@@ -164,7 +170,8 @@ class AzureBlob:
         self.where = self.container.url.rsplit("/", 1)[0]
 
     def exists(self) -> bool:
-        return self.container.exists()
+        """The first call: an endpoint that does not answer is said now, not after the SDK's minute of retries."""
+        return self.container.exists(retry_connect=0)
 
     def get(self, key: str) -> tuple[int, Iterator[bytes]] | None:
         from azure.core.exceptions import ResourceNotFoundError

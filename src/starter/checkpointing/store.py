@@ -67,8 +67,8 @@ class CheckpointStore:
         try:
             if not self.objects.exists():
                 raise UserError(
-                    f"checkpoint_store={self.url}: no bucket {self.bucket} at {self.objects.where}; create it, or"
-                    " name another"
+                    f"checkpoint_store={self.url}: no {self.objects.kind} {self.bucket} at {self.objects.where}; create"
+                    " it, or name another"
                 )
             recorded = self.read(self.key("run/config.json"), limit=1 << 20)
             if recorded is None:
