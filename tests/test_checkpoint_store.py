@@ -304,6 +304,8 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_named(s3, tmp_path, 
     monkeypatch.setattr(store.objects, "put", put)
     assert store.fetch("last.ckpt", tmp_path / "fresh" / "last.ckpt")
     assert torch.load(tmp_path / "fresh" / "last.ckpt", weights_only=True)["global_step"] == 5
+    uploads.put(second, 10)  # the next save's upload goes through: nothing failed is said any more
+    assert uploads.flush(timeout=60) and uploads.failed is None
 
 
 @pytest.mark.parametrize(

@@ -212,9 +212,14 @@ class Uploads:
         self.ours: dict[str, list[str]] = {}  # a pointed name -> the objects this run uploaded for it
         self.condition = threading.Condition()
         self.busy = False
-        self.failed: str | None = None
+        self.failing: dict[str, str] = {}  # key -> why its newest upload failed (a later one that succeeds clears it)
         self.thread = threading.Thread(target=self._run, name="checkpoint-store", daemon=True)
         self.thread.start()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the newest upload of each name that failed did; None where the store holds the newest of every one."""
+        return "; ".join(self.failing.values()) or None
 
     def put(self, path: Path, step: int = 0) -> None:
         """Upload the run's file `path` (a checkpoint of UPLOADED saved at global step `step`, or a record of RECORD)
@@ -252,7 +257,7 @@ class Uploads:
                     return False
                 self.condition.wait(left)
         if self.failed:
-            log.warning("checkpoint_store: an upload failed: %s", self.failed)
+            log.warning("checkpoint_store: an upload failed (the store keeps the version before): %s", self.failed)
         return True
 
     def _run(self) -> None:
@@ -269,8 +274,10 @@ class Uploads:
                 else:
                     self._upload(key, path, step)
             except Exception as err:  # the run goes on: its local files are whole; said at the flush
-                self.failed = f"{key}: {first_line(err)}"
+                self.failing[key] = f"{key}: {first_line(err)}"
                 log.warning("checkpoint_store: uploading %s failed: %s", key, first_line(err))
+            else:
+                self.failing.pop(key, None)
             finally:
                 with self.condition:
                     self.busy = False
