@@ -213,6 +213,47 @@ def test_a_lifeline_takes_only_its_runs_ranks_whatever_a_stranger_reads_writes_o
     assert rank_0.gone() == [1]
 
 
+def test_a_stop_is_decided_only_once_every_rank_has_said_it_knows_whatever_a_stranger_writes(monkeypatch):
+    # two ranks, the second not yet asked when the first reaches the agreed step: a stranger's counts and forged
+    # records of rank 1 (the run's own value replayed without its proof, one under another rank's key) do not make
+    # rank 0 stop alone (it would wait in the next step's collective for a rank that steps on)
+    from starter import run_store
+    from starter.callbacks.stop_agreement import StopAgreement
+    from starter.job_token import signed
+
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "0123456789abcdef")
+    served = run_store.serve_store("127.0.0.1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(served.port))
+    rank_0, rank_1 = StopAgreement(2, 0), StopAgreement(2, 1)
+    stranger = run_store.client("127.0.0.1", served.port, 10)
+    stranger.add(f"{rank_0.prefix}/ranks", 1000)  # the counter this agreement once kept
+    stranger.set(f"{rank_0.prefix}/knows/1", ":1")
+    assert not rank_0.stop_at(5, "SIGTERM|0|training")  # proposes step 6
+    stranger.set(f"{rank_0.prefix}/knows/1", signed(f"{rank_0.prefix}/knows/0", "1"))
+    assert not rank_0.stop_at(6, "SIGTERM|0|training")  # rank 1 does not know: one step more, for both
+    assert not rank_1.stop_at(6, "SIGTERM|0|training")
+    assert rank_0.stop_at(7, "SIGTERM|0|training") and rank_1.stop_at(7, "SIGTERM|0|training")
+
+
+def test_a_process_record_a_stranger_wrote_names_no_process_to_signal(monkeypatch):
+    # the watchdogs and the launcher's oversight signal a rank's process by the pid its record names (a stopped rank,
+    # SIGKILLed; a node's workers as it stops): a stranger's record, or a rank's replayed under another's key, is none
+    from starter import run_store
+    from starter.job_token import signed
+    from starter.launch.watchdog import pid_here
+
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "0123456789abcdef")
+    served = run_store.serve_store("127.0.0.1")
+    store = run_store.client("127.0.0.1", served.port, 10)
+    here = f"{socket.gethostname()} {os.getpid()}"
+    for forged in (here, f":{here}", signed("starter/process/0", here)):
+        store.set("starter/process/1", forged)
+        assert pid_here(store, 1, "starter") is None, forged
+    store.set("starter/process/1", signed("starter/process/1", here))  # as rank 1's watchdog publishes it
+    assert pid_here(store, 1, "starter") == os.getpid()
+
+
 WATCHDOG_FAILS = """
 import time
 from starter import run_store

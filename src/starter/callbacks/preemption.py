@@ -97,7 +97,7 @@ class SaveOnSigterm(L.Callback):
         self.listen()
         self.stop_here()  # the state resumed or initialised, no step taken: nothing new to save
         self.phase = "training"
-        self.agreement = StopAgreement(trainer.world_size) if trainer.world_size > 1 else None
+        self.agreement = StopAgreement(trainer.world_size, trainer.global_rank) if trainer.world_size > 1 else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:

@@ -1,7 +1,9 @@
 """How the ranks of a run agree on the step at which a stop signal stops them, through the run's store: no collective,
 nothing read from the device, and nothing at all until a signal arrives; and the one line a stopped run ends with.
 Lightning-free: the launcher and the watchdogs read what it writes. Where the signal arrived, what was saved and that
-the line was said carry the job token's proof (job_token.py): a stranger's stop is none."""
+the line was said carry the job token's proof (job_token.py): a stranger's stop is none, and a rank counts as knowing
+only by a proven record of its own (a counter anyone could add to would let the decision pass a rank that has not
+the request: it would step on alone)."""
 
 import os
 from pathlib import Path
@@ -11,8 +13,8 @@ from starter.loggers.report import shown
 from starter.run_store import client
 from starter.topology import key_prefix
 
-STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`ranks`), where the signal
-# arrived (`origin`), what was saved, who has read it (`read/<node>`)
+STOP_KEY = "stop"  # under the run's key prefix: the agreed step (`at`), the ranks that know (`knows/<rank>`), where the
+# signal arrived (`origin`), what was saved, who has read it (`read/<node>`)
 
 
 class StopAgreement:
@@ -22,8 +24,9 @@ class StopAgreement:
     torchrun and SLURM signal every rank; or its watchdog relaying another rank's, from this store); at the agreed
     step the first rank there decides for all: stop where every rank has counted itself in, else one step later."""
 
-    def __init__(self, world: int):
-        self.world, self.prefix, self.counted, self._store = world, f"{key_prefix()}/{STOP_KEY}", False, None
+    def __init__(self, world: int, rank: int = 0):
+        self.world, self.rank, self.prefix = world, rank, f"{key_prefix()}/{STOP_KEY}"
+        self.counted, self._store = False, None
 
     def store(self):
         if self._store is None:  # every process of the run reaches its store there (launch/)
@@ -42,8 +45,9 @@ class StopAgreement:
 
     def _stop_at(self, step: int, origin: str) -> bool:
         store = self.store()
+        knows = f"{self.prefix}/knows/{self.rank}"
+        store.set(knows, signed(knows, "1"))  # each step it stops at: a stranger's overwrite lasts a step at most
         if not self.counted:
-            store.add(f"{self.prefix}/ranks", 1)
             key = f"{self.prefix}/origin"  # before `at`: the watchdogs relay a proven origin
             if opened(key, store.compare_set(key, "", signed(key, origin))) is None:  # a stranger's first
                 store.set(key, signed(key, origin))
@@ -54,12 +58,18 @@ class StopAgreement:
             store.set(at_key, signed(at_key, at := str(step + 1)))
         if step < int(at):
             return False
-        everyone = store.add(f"{self.prefix}/ranks", 0) >= self.world
+        everyone = self._everyone_knows(store)
         key = f"{self.prefix}/decided/{step}"
         decided = opened(key, store.compare_set(key, "", signed(key, "stop" if everyone else "go")))
         if decided == "go":
             store.compare_set(at_key, signed(at_key, str(step)), signed(at_key, str(step + 1)))
         return decided == "stop"
+
+    def _everyone_knows(self, store) -> bool:
+        keys = [f"{self.prefix}/knows/{rank}" for rank in range(self.world)]
+        if not store.check(keys):
+            return False
+        return all(opened(key, value) == "1" for key, value in zip(keys, store.multi_get(keys), strict=True))
 
     def say_saved(self, step: int) -> None:
         """Rank 0, once last.ckpt is in place: what the launcher's line may then say (where it still listens)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
 from starter.job_token import opened
-from starter.launch.watchdog import where
+from starter.launch.watchdog import pid_here, where
 from starter.process_state import process_state
 from starter.run_failure import failure, report, said
 from starter.run_store import answers
@@ -122,10 +122,9 @@ class Oversight:
         first = self.node * self.per_node
         missing = [rank for rank in range(first, first + self.per_node) if rank not in self.pids]
         for rank in missing if missing and answers(self.store) else ():  # no call to a store that has gone
-            key = f"{self.prefix}/process/{rank}"
             try:
-                if self.store.check([key]):
-                    self.pids[rank] = int(self.store.get(key).decode().split()[1])
+                if (pid := pid_here(self.store, rank, self.prefix)) is not None:
+                    self.pids[rank] = pid
             except Exception:
                 break  # the store is gone: the watchdogs say so
         return list(self.pids.values())

@@ -22,7 +22,7 @@ from functools import partial
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
-from starter.job_token import signed
+from starter.job_token import opened, signed
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline, published_port
 from starter.launch.stall import Stall, main_thread_at, read_progress
@@ -164,7 +164,8 @@ class Watchdog:
             try:
                 if not answers(store):  # none yet, or its server gone: never called then (torch's C++ traces)
                     store = client(self.address, self.port, self.timeout_s)
-                    store.set(f"{prefix}/process/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+                    key = f"{prefix}/process/{self.rank}"
+                    store.set(key, signed(key, f"{socket.gethostname()} {os.getpid()}"))
                 if not relayed and stop_requested(store, prefix):  # a stop signal that reached other ranks only
                     os.kill(os.getpid(), self.stop_signal)
                     relayed = True
@@ -273,14 +274,16 @@ class Watchdog:
             time.sleep(linger_s(self.timeout_s))
 
 
-def pid_here(store, rank: int) -> int | None:
-    """The pid of the process of `rank` (its first beat publishes "host pid"), where it runs on this host."""
-    key = f"{key_prefix()}/process/{rank}"
+def pid_here(store, rank: int, prefix: str | None = None) -> int | None:
+    """The pid of the process of `rank` (its first beat publishes "host pid", proven: a stranger's record could name
+    any process of this host to be signalled), where it runs on this host."""
+    key = f"{prefix or key_prefix()}/process/{rank}"
     try:
-        host, pid = store.get(key).decode().split() if answers(store) and store.check([key]) else ("", "")
+        record = opened(key, store.get(key)) if answers(store) and store.check([key]) else None
     except (OSError, RuntimeError):
         return None
-    return int(pid) if host == socket.gethostname() else None
+    host, _, pid = (record or "").partition(" ")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
 def runs_here(store, rank: int) -> bool:
