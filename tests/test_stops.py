@@ -254,6 +254,36 @@ def test_a_process_record_a_stranger_wrote_names_no_process_to_signal(monkeypatc
     assert pid_here(store, 1, "starter") == os.getpid()
 
 
+def test_a_run_name_or_a_nodes_record_a_stranger_wrote_names_no_directory_and_no_config(monkeypatch, capsys):
+    # rank 0's record names the run's directory (a stranger's `../..` would put the run elsewhere); the nodes compare
+    # the configs their records hold (a stranger's, written first, would end the run over a difference no node has)
+    import hashlib
+    import json
+
+    from starter import run_store
+    from starter.job_token import signed
+    from starter.launch.nodes import wait_for_all_nodes
+    from starter.run_name import KEY, _share
+
+    monkeypatch.setenv("STARTER_JOB_TOKEN", "0123456789abcdef")
+    served = run_store.serve_store("127.0.0.1")
+    store, stamp = run_store.client("127.0.0.1", served.port, 1), "2026-12-05_10-00-00-000001"
+    store.set(KEY, "../../elsewhere")  # before rank 0: its own replaces it
+    assert _share(store, KEY, stamp, first=True) == stamp and _share(store, KEY, "mine", first=False) == stamp
+    store.set(f"{KEY}/x", signed(f"{KEY}/x", ".."))  # proven, yet no directory's name
+    with pytest.raises(SystemExit) as ended:
+        _share(store, f"{KEY}/x", stamp, first=False)  # the store's timeout here: 1 s
+    assert ended.value.code == 124 and "error: rank 0 named no run in 1 s" in capsys.readouterr().err
+    config = json.dumps({"seed": 42})
+    store.set("nodes/config/1", '{"seed": 3}')
+    store.set("nodes/ready/1", hashlib.sha256(b'{"seed": 3}').hexdigest())
+    node_1 = threading.Timer(0.5, wait_for_all_nodes, (run_store.client("127.0.0.1", served.port, 10), "nodes", 2, 1,
+                                                       10, config))  # fmt: skip
+    node_1.start()
+    wait_for_all_nodes(store, "nodes", 2, 0, 10, config)  # met: no "node 1 runs another config"
+    node_1.join()
+
+
 WATCHDOG_FAILS = """
 import time
 from starter import run_store

@@ -4,16 +4,20 @@ nodes' store (nodes.join_nodes); under `srun`, `slurm-<job id>.<step id>` (a req
 `ckpt_path=auto` finds its directory); under jsrun `lsf-<job id>`, in a Kubeflow PyTorchJob `kubeflow-<its master>`."""
 
 import os
+import re
 import time
 from datetime import datetime
 from functools import cache
 
-from starter.errors import WorkerFailed, to_stderr
+from starter.errors import LOST_EXIT_CODE, WorkerFailed, to_stderr
+from starter.job_token import opened, signed
 from starter.launch.environment import slurm_tasks
 from starter.run_failure import failure
 from starter.topology import key_prefix, node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
 
 KEY = "starter/run_name"
+NAME = re.compile(r"[\w.+-]{1,200}")  # a directory's name: a stamp, torchrun-<id>, slurm-<job>.<step>, ...
+SAME_TOKEN = "is rank 0 alive, and has every process the same STARTER_JOB_TOKEN (or none)?"
 NO_ID = (
     "torchrun --rdzv-id is none (its default), and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a job's run directory"
     " is named after it (torchrun-<rdzv id>, shared by its restarts): give each job its own --rdzv-id"
@@ -67,14 +71,25 @@ def run_name(num_nodes: int = 1, nodes_wait_s: float = 300.0) -> str:
 
 
 def _share(store, key: str, stamp: str, first: bool, failed: str | None = None) -> str:
-    """`first` writes its stamp (a torchrun restart keeps its first attempt's); every process reads it. `failed`: the
+    """`first` writes its stamp (a torchrun restart keeps its first attempt's); every process reads it, believed only
+    with the job token's proof and as a name (a stranger's would name the run's directory: `../..`). `failed`: the
     key prefix where node 0, failing before it named the run (a config error), says why: said here too, and exit."""
-    if first:
-        store.compare_set(key, "", stamp)
-    while failed and not store.check([key]):
-        if found := failure(store, failed):
+    if first and name_in(key, store.compare_set(key, "", signed(key, stamp))) is None:  # none, or a stranger's
+        store.set(key, signed(key, stamp))
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while (name := name_in(key, store.get(key) if store.check([key]) else None)) is None:
+        if failed and (found := failure(store, failed)):
             store.set(f"{failed}/failed/read/{node_rank()}", "")  # node 0 stays until each node has read it
             to_stderr(f"error: {found[1]}")
             raise SystemExit(found[0])
+        if time.monotonic() > deadline:
+            to_stderr(f"error: rank 0 named no run in {store.timeout.total_seconds():.0f} s; {SAME_TOKEN}")
+            raise SystemExit(LOST_EXIT_CODE)
         time.sleep(0.2)
-    return store.get(key).decode()  # waits for the first
+    return name
+
+
+def name_in(key: str, record: bytes | None) -> str | None:
+    """The run name a record at `key` holds, where its proof is the job token's and it is a name, not a path."""
+    name = opened(key, record) if record else None
+    return name if name and NAME.fullmatch(name) and name not in (".", "..") else None

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from starter.config_choices import differences, leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
+from starter.job_token import opened, signed
 from starter.run_failure import failure, report
 from starter.run_store import answers, free_port, listening, serve_store
 from starter.topology import key_prefix, node_rank
@@ -82,18 +83,22 @@ def tell_the_other_nodes(run_id: str, code: int, line: str, wait_s: float, linge
 def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float, config: str) -> None:
     """Until every node's job is ready to launch with the config node 0's has (`config`: meeting_config); raises
     where another node failed before (it said why: said here too), has not come within `wait_s` (the agent's
-    rendezvous would wait for it far longer, in a call nothing ends), or runs another config (every node says which)."""
-    store.set(f"{prefix}/config/{node}", config)
-    store.set(f"{prefix}/ready/{node}", hashlib.sha256(config.encode()).hexdigest())
+    rendezvous would wait for it far longer, in a call nothing ends), or runs another config (every node says which).
+    Each node's records carry the job token's proof, and are written again while the nodes meet: a stranger's is
+    no node's, and one written over a node's lasts a moment."""
+    fingerprint = hashlib.sha256(config.encode()).hexdigest()
     deadline = time.monotonic() + wait_s
     while True:
+        for key, value in ((f"{prefix}/config/{node}", config), (f"{prefix}/ready/{node}", fingerprint)):
+            store.set(key, signed(key, value))
         if node and not answers(store):
             line = f"node 0, which serves the nodes' store at {store.host}:{store.port}, is gone (killed, or its host"
             raise WorkerFailed(f"{line} lost) while the nodes met; start every node again", LOST_EXIT_CODE, node=0)
         if reported := failure(store, prefix):
             code, line, failed_node = reported
             raise WorkerFailed(line, code, node=failed_node)
-        missing = [n for n in range(nodes) if not store.check([f"{prefix}/ready/{n}"])]
+        fingerprints = [proven_record(store, f"{prefix}/ready/{n}") for n in range(nodes)]
+        missing = [n for n, fingerprint in enumerate(fingerprints) if fingerprint is None]
         if not missing:
             break
         if time.monotonic() > deadline:
@@ -101,16 +106,21 @@ def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float,
             line = f"{who} not started within {wait_s:.0f} s; start train.py on every node with the same MASTER_ADDR"
             raise WorkerFailed(f"{line} and MASTER_PORT", LOST_EXIT_CODE)
         time.sleep(0.2)
-    fingerprints = [store.get(f"{prefix}/ready/{n}") for n in range(nodes)]
     other = next((n for n in range(1, nodes) if fingerprints[n] != fingerprints[0]), None)
     if other is None:
         return
-    line = disagreement(other, *(json.loads(store.get(f"{prefix}/config/{n}")) for n in (other, 0)))
+    configs = [proven_record(store, f"{prefix}/config/{n}") or "{}" for n in (other, 0)]
+    line = disagreement(other, *map(json.loads, configs))
     store.set(f"{prefix}/disagreement_read/{node}", "")
     read_by_every_node = [f"{prefix}/disagreement_read/{n}" for n in range(nodes)]
     while node == 0 and time.monotonic() < deadline and not store.check(read_by_every_node):
         time.sleep(0.2)  # this job serves the store: until every node has read what it says
     raise WorkerFailed(line, USER_ERROR_EXIT_CODE, node=other)
+
+
+def proven_record(store, key: str) -> str | None:
+    """The value a node wrote at `key`; None where there is none, or its proof is not the job token's."""
+    return opened(key, store.get(key)) if store.check([key]) else None
 
 
 NODE_OWN = ("paths", "log_file", "ckpt_path")  # keys a node may set for itself: its directories, its run's resume
