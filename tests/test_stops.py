@@ -236,7 +236,7 @@ def test_a_stop_is_decided_only_once_every_rank_has_said_it_knows_whatever_a_str
     assert rank_0.stop_at(7, "SIGTERM|0|training") and rank_1.stop_at(7, "SIGTERM|0|training")
 
 
-def test_a_process_record_a_stranger_wrote_names_no_process_to_signal(monkeypatch):
+def test_a_process_record_or_a_said_mark_a_stranger_wrote_is_none(monkeypatch):
     # the watchdogs and the launcher's oversight signal a rank's process by the pid its record names (a stopped rank,
     # SIGKILLed; a node's workers as it stops): a stranger's record, or a rank's replayed under another's key, is none
     from starter import run_store
@@ -252,6 +252,12 @@ def test_a_process_record_a_stranger_wrote_names_no_process_to_signal(monkeypatc
         assert pid_here(store, 1, "starter") is None, forged
     store.set("starter/process/1", signed("starter/process/1", here))  # as rank 1's watchdog publishes it
     assert pid_here(store, 1, "starter") == os.getpid()
+    from starter.run_failure import said  # the mark that a failing process said its line: else its launcher says it
+
+    store.set("starter/failed/said", "")
+    assert not said(store, "starter")
+    store.set("starter/failed/said", signed("starter/failed/said", "1"))
+    assert said(store, "starter")
 
 
 def test_a_run_name_or_a_nodes_record_a_stranger_wrote_names_no_directory_and_no_config(monkeypatch, capsys):

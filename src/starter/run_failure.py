@@ -26,16 +26,18 @@ def report(store, code: int, line: str, node: int = 0, prefix: str | None = None
         first = True
     if first and answers(store):  # marked before the line: a launcher waiting for the mark says it only where this
         with contextlib.suppress(Exception):  # process died first (a line twice under load, else)
-            store.set(f"{key}/said", "")
+            store.set(f"{key}/said", signed(f"{key}/said", "1"))
     if first and say:
         to_stderr(f"error: {line}")
     return first
 
 
 def said(store, prefix: str) -> bool:
-    """Whether the process that reported the failure has said its line (where the store is gone: its holder did)."""
+    """Whether the process that reported the failure has said its line (where the store is gone: its holder did); a
+    stranger's mark is none (the launcher would keep the line unsaid)."""
+    key = f"{prefix}/failed/said"
     try:
-        return store.check([f"{prefix}/failed/said"])
+        return store.check([key]) and opened(key, store.get(key)) == "1"
     except Exception:
         return True
 
