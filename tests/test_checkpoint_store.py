@@ -88,12 +88,17 @@ def slow(folder: Path) -> list[str]:
             f"{probe}.until={folder / 'go'}"]  # fmt: skip
 
 
+def train_command(disk: Path, prefix: str, *more: str, scheme: str = "s3") -> list[str]:
+    """`python train.py` of LONG, its checkpoints in the store's `prefix`, its logs on `disk`."""
+    overrides = on_bed([*LONG, f"checkpoint_store={scheme}://runs/{prefix}", f"paths.log_dir={disk / 'logs'}", *QUIET,
+                        "accelerator=cpu", *more])  # fmt: skip
+    return [sys.executable, str(ROOT / "train.py"), *overrides]
+
+
 def start(machine: Path, env: dict, prefix: str, *more: str, scheme: str = "s3") -> subprocess.Popen:
     """`python train.py` on a machine of its own (`machine`: its working directory, its logs)."""
     machine.mkdir(parents=True, exist_ok=True)
-    overrides = on_bed([*LONG, f"checkpoint_store={scheme}://runs/{prefix}", f"paths.log_dir={machine / 'logs'}",
-                        *QUIET, "accelerator=cpu", *more])  # fmt: skip
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=machine, text=True,
+    return subprocess.Popen(train_command(machine, prefix, *more, scheme=scheme), cwd=machine, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=with_env(PROBES, **env))  # fmt: skip
 
 
@@ -106,12 +111,10 @@ def start_nodes(machine: Path, env: dict, prefix: str, *more: str) -> list[subpr
     nodes = []
     for node in (0, 1):
         (machine / f"node{node}").mkdir()
-        overrides = on_bed([*LONG, f"checkpoint_store=s3://runs/{prefix}", f"paths.log_dir={disk / 'logs'}", *QUIET,
-                            "accelerator=cpu", *more])  # fmt: skip
         bound = ["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
                  str(machine / f"node{node}"), str(disk)]  # fmt: skip
         variables = with_env(PROBES, **env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
-        command = [*bound, sys.executable, str(ROOT / "train.py"), *overrides]
+        command = [*bound, *train_command(disk, prefix, *more)]
         nodes.append(subprocess.Popen(command, cwd=disk.parent, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=variables))  # fmt: skip
     return nodes

@@ -7,7 +7,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from starter.errors import UserError, interrupted
+from starter.errors import UserError, causes, interrupted
 
 
 @contextmanager
@@ -38,7 +38,7 @@ def room_for(path):
     try:
         yield
     except BaseException as err:  # torch's CheckpointException is one
-        if interrupted() or in_chain(err, KeyboardInterrupt) or not out_of_room(err):
+        if interrupted() or any(isinstance(e, KeyboardInterrupt) for e in causes(err)) or not out_of_room(err):
             raise
         if limit := size_limit(path):
             raise UserError(
@@ -77,15 +77,6 @@ def out_of_room(err: BaseException | None) -> bool:
         return True
     failures = [failure[0] for failure in getattr(err, "failures", {}).values()]  # torch's CheckpointException
     return err is not None and any(map(out_of_room, [err.__cause__ or err.__context__, *failures]))
-
-
-def in_chain(err: BaseException | None, kind: type[BaseException]) -> bool:
-    """Whether `err` or one it was raised from or while handling is a `kind`."""
-    while err is not None:
-        if isinstance(err, kind):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def unlink_symlink(path) -> None:

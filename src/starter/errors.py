@@ -30,6 +30,15 @@ class WorkerFailed(Exception):
         self.message, self.exit_code, self.node = message, exit_code, node
 
 
+def causes(err: BaseException | None) -> list[BaseException]:
+    """`err`, the error it was raised from or while handling, that one's, and so on (each once)."""
+    chain = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return chain
+
+
 def to_stderr(line: str) -> None:
     """`line` on stderr in one write: a process's threads (the watchdog's, the main one's) each say theirs whole, where
     print writes a line and its end apart."""

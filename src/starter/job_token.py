@@ -45,6 +45,12 @@ def signed(where: str, value: str) -> str:
     return f"{proof(where, value)}:{value}"
 
 
+def read_signed(store, key: str) -> str | None:
+    """The value of the record at `key` in a store of torch's (check, then get: a get waits for a missing key); None
+    where there is none, or its proof is not the token's."""
+    return opened(key, store.get(key)) if store.check([key]) else None
+
+
 def opened(where: str, record: bytes | str) -> str | None:
     """The value of a record at `where` (signed); None where its proof is not the token's (a stranger wrote it)."""
     text = record.decode(errors="replace") if isinstance(record, bytes) else record

@@ -6,7 +6,7 @@ code, saying nothing more (another node's launcher says it too). The record carr
 import contextlib
 
 from starter.errors import to_stderr
-from starter.job_token import opened, signed
+from starter.job_token import opened, read_signed, signed
 from starter.run_store import answers
 from starter.topology import key_prefix
 
@@ -37,7 +37,7 @@ def said(store, prefix: str) -> bool:
     stranger's mark is none (the launcher would keep the line unsaid)."""
     key = f"{prefix}/failed/said"
     try:
-        return store.check([key]) and opened(key, store.get(key)) == "1"
+        return read_signed(store, key) == "1"
     except Exception:
         return True
 
@@ -47,7 +47,7 @@ def failure(store, prefix: str | None = None) -> tuple[int, str, int] | None:
     gone (its holder has ended: the watchdogs say why)."""
     key = f"{prefix or key_prefix()}/failed"
     try:
-        record = (opened(key, store.get(key)) if answers(store) and store.check([key]) else None) or "||"
+        record = (read_signed(store, key) if answers(store) else None) or "||"
         code, node, line = record.split("|", 2)
         return int(code), line, int(node)
     except Exception:  # none reported (int("")), or the store went meanwhile

@@ -10,7 +10,7 @@ from datetime import datetime
 from functools import cache
 
 from starter.errors import LOST_EXIT_CODE, WorkerFailed, to_stderr
-from starter.job_token import opened, signed
+from starter.job_token import opened, read_signed, signed
 from starter.launch.environment import slurm_tasks
 from starter.run_failure import failure
 from starter.topology import key_prefix, node_rank, nodes_given, torchrun_agents_share_their_store, torchrun_id
@@ -74,10 +74,10 @@ def _share(store, key: str, stamp: str, first: bool, failed: str | None = None) 
     """`first` writes its stamp (a torchrun restart keeps its first attempt's); every process reads it, believed only
     with the job token's proof and as a name (a stranger's would name the run's directory: `../..`). `failed`: the
     key prefix where node 0, failing before it named the run (a config error), says why: said here too, and exit."""
-    if first and name_in(key, store.compare_set(key, "", signed(key, stamp))) is None:  # none, or a stranger's
+    if first and not is_name(opened(key, store.compare_set(key, "", signed(key, stamp)))):  # none, or a stranger's
         store.set(key, signed(key, stamp))
     deadline = time.monotonic() + store.timeout.total_seconds()
-    while (name := name_in(key, store.get(key) if store.check([key]) else None)) is None:
+    while not is_name(name := read_signed(store, key)):
         if failed and (found := failure(store, failed)):
             store.set(f"{failed}/failed/read/{node_rank()}", "")  # node 0 stays until each node has read it
             to_stderr(f"error: {found[1]}")
@@ -89,7 +89,6 @@ def _share(store, key: str, stamp: str, first: bool, failed: str | None = None) 
     return name
 
 
-def name_in(key: str, record: bytes | None) -> str | None:
-    """The run name a record at `key` holds, where its proof is the job token's and it is a name, not a path."""
-    name = opened(key, record) if record else None
-    return name if name and NAME.fullmatch(name) and name not in (".", "..") else None
+def is_name(value: str | None) -> bool:
+    """Whether a proven record's value names a directory, not a path."""
+    return value is not None and NAME.fullmatch(value) is not None and value not in (".", "..")

@@ -8,7 +8,7 @@ the request: it would step on alone)."""
 import os
 from pathlib import Path
 
-from starter.job_token import opened, signed
+from starter.job_token import opened, read_signed, signed
 from starter.loggers.report import shown
 from starter.run_store import client
 from starter.topology import key_prefix
@@ -90,7 +90,7 @@ def stop_origin(store, prefix: str) -> tuple[str, int, str] | None:
     """(signal, node, phase) where the run's stop signal arrived first; None where none was agreed on."""
     key = f"{prefix}/{STOP_KEY}/origin"
     try:
-        record = opened(key, store.get(key)) if store.check([key]) else None
+        record = read_signed(store, key)
     except Exception:  # the store is gone
         return None
     signal, node, phase = record.split("|", 2) if record and record.count("|") >= 2 else ("", "", "")
@@ -106,7 +106,7 @@ def saved_step(store, prefix: str) -> int | None:
     """The step at which the run saved last.ckpt on a stop signal; None where it did not."""
     key = f"{prefix}/{STOP_KEY}/saved"
     try:
-        step = opened(key, store.get(key)) if store is not None and store.check([key]) else None
+        step = read_signed(store, key) if store is not None else None
     except Exception:  # the store is gone
         return None
     return int(step) if step and step.isdigit() else None
@@ -116,7 +116,7 @@ def told(store, prefix: str) -> bool:
     """Whether rank 0 has said the run's stop line (StopAgreement.say_told)."""
     try:
         key = f"{prefix}/{STOP_KEY}/told"
-        return store.check([key]) and opened(key, store.get(key)) is not None
+        return read_signed(store, key) is not None
     except Exception:  # the store is gone
         return False
 

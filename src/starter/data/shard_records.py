@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from starter.data.device_decode import collate_encoded
 from starter.data.image_files import decode_image_data
 from starter.data.shard_set import RECORD_FORMAT, is_remote
-from starter.errors import UserError, first_line
+from starter.errors import UserError, causes, first_line
 
 
 class ShardRecords(Dataset):
@@ -145,10 +145,7 @@ def unreadable(err: Exception) -> str | None:
     client's own retries; litdata's reader wraps it), or a file or connection that failed (an OSError); else None."""
     from starter.data.object_store import ChunkUnreadable
 
-    causes, cause = [], err
-    while cause is not None and cause not in causes:
-        causes.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    if chunk := next((c for c in causes if isinstance(c, ChunkUnreadable)), None):
+    chain = causes(err)
+    if chunk := next((c for c in chain if isinstance(c, ChunkUnreadable)), None):
         return str(chunk)
-    return first_line(err) if any(isinstance(c, OSError) for c in causes) else None
+    return first_line(err) if any(isinstance(c, OSError) for c in chain) else None

@@ -15,7 +15,7 @@ import selectors
 import socket
 import time
 
-from starter.job_token import opened, signed
+from starter.job_token import read_signed, signed
 from starter.run_store import listener
 
 HELLO_S = 5.0  # how long a new connection has to say who it is
@@ -29,7 +29,7 @@ def proof(token: str) -> str:
 def published_port(store, prefix: str) -> int | None:
     """Rank 0's lifeline port, where rank 0 published it (with the job token's proof)."""
     key = f"{prefix}/lifeline"
-    port = opened(key, store.get(key)) if store.check([key]) else None
+    port = read_signed(store, key)
     return int(port) if port and port.isdigit() else None
 
 
@@ -93,7 +93,7 @@ class Lifeline:
             return None
         key = f"{self.prefix}/lifeline/proof/{int(words[0])}"
         try:
-            expected = (opened(key, self.store.get(key)) if self.store.check([key]) else None) or ""
+            expected = read_signed(self.store, key) or ""
         except (OSError, RuntimeError):
             return None
         token = words[1].decode(errors="replace")

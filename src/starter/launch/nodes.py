@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from starter.config_choices import differences, leaves
 from starter.errors import LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, WorkerFailed
-from starter.job_token import opened, signed
+from starter.job_token import read_signed, signed
 from starter.run_failure import failure, report
 from starter.run_store import answers, free_port, listening, serve_store
 from starter.topology import key_prefix, node_rank
@@ -97,7 +97,7 @@ def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float,
         if reported := failure(store, prefix):
             code, line, failed_node = reported
             raise WorkerFailed(line, code, node=failed_node)
-        fingerprints = [proven_record(store, f"{prefix}/ready/{n}") for n in range(nodes)]
+        fingerprints = [read_signed(store, f"{prefix}/ready/{n}") for n in range(nodes)]
         missing = [n for n, fingerprint in enumerate(fingerprints) if fingerprint is None]
         if not missing:
             break
@@ -109,18 +109,13 @@ def wait_for_all_nodes(store, prefix: str, nodes: int, node: int, wait_s: float,
     other = next((n for n in range(1, nodes) if fingerprints[n] != fingerprints[0]), None)
     if other is None:
         return
-    configs = [proven_record(store, f"{prefix}/config/{n}") or "{}" for n in (other, 0)]
+    configs = [read_signed(store, f"{prefix}/config/{n}") or "{}" for n in (other, 0)]
     line = disagreement(other, *map(json.loads, configs))
     store.set(f"{prefix}/disagreement_read/{node}", "")
     read_by_every_node = [f"{prefix}/disagreement_read/{n}" for n in range(nodes)]
     while node == 0 and time.monotonic() < deadline and not store.check(read_by_every_node):
         time.sleep(0.2)  # this job serves the store: until every node has read what it says
     raise WorkerFailed(line, USER_ERROR_EXIT_CODE, node=other)
-
-
-def proven_record(store, key: str) -> str | None:
-    """The value a node wrote at `key`; None where there is none, or its proof is not the job token's."""
-    return opened(key, store.get(key)) if store.check([key]) else None
 
 
 NODE_OWN = ("paths", "log_file", "ckpt_path")  # keys a node may set for itself: its directories, its run's resume

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from starter.callbacks.stop_agreement import STOP_KEY, saved_step, stop_line, stop_origin, told
 from starter.errors import PREEMPTED_EXIT_CODE, WorkerFailed
-from starter.job_token import opened
+from starter.job_token import read_signed
 from starter.launch.watchdog import pid_here, where
 from starter.process_state import process_state
 from starter.run_failure import failure, report, said
@@ -89,8 +89,7 @@ class Oversight:
         keys = [f"{self.prefix}/progress/{rank}" for rank in range(first, first + self.per_node)]
         try:
             return not answers(self.store) or any(
-                self.store.check([key]) and (opened(key, self.store.get(key)) or "0").split("|")[0] != "0"
-                for key in keys
+                (read_signed(self.store, key) or "0").split("|")[0] != "0" for key in keys
             )
         except Exception:  # the store is gone
             return True

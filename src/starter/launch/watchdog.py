@@ -22,7 +22,7 @@ from functools import partial
 
 from starter.callbacks.stop_agreement import stop_requested
 from starter.errors import INTERRUPTED_EXIT_CODE, LOST_EXIT_CODE, UserError, interrupted, one_line, to_stderr
-from starter.job_token import opened, signed
+from starter.job_token import read_signed, signed
 from starter.launch.environment import cluster_environment
 from starter.launch.lifeline import Lifeline, published_port
 from starter.launch.stall import Stall, main_thread_at, read_progress
@@ -279,7 +279,7 @@ def pid_here(store, rank: int, prefix: str | None = None) -> int | None:
     any process of this host to be signalled), where it runs on this host."""
     key = f"{prefix or key_prefix()}/process/{rank}"
     try:
-        record = opened(key, store.get(key)) if answers(store) and store.check([key]) else None
+        record = read_signed(store, key) if answers(store) else None
     except (OSError, RuntimeError):
         return None
     host, _, pid = (record or "").partition(" ")
